@@ -1,0 +1,27 @@
+# `make run` and `make test` do all the set-up on a fresh machine: a virtualenv in .venv, the CPU
+# torch 2.13.0 wheel when there is no GPU (never the multi-GB CUDA build), then the project.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv --system-site-packages $(VENV)
+	@if ! $(PY) -c "import torch" 2>/dev/null; then \
+		if command -v nvidia-smi >/dev/null 2>&1; then \
+			echo "GPU machine without torch: install a CUDA torch >= 2.11 first"; exit 1; \
+		fi; \
+		$(PY) -m pip install --quiet "torch==2.13.0"; \
+	fi
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/megafuse run --config tiny
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Kernel generation: FusionSpec -> Triton source, a kernel cache on disk, launch code, references."""

@@ -1,0 +1,34 @@
+"""Small building blocks: RMSNorm (fp32 statistics and weights) and seeded weight creation."""
+
+import torch
+from torch import nn
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim, in fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        # Norm weights stay fp32 in every dtype mode (they multiply fp32 statistics).
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (rms_normalize(x, self.eps) * self.weight).to(x.dtype)
+
+
+def weight(shape: tuple[int, ...], fan_in: int, dtype: torch.dtype) -> nn.Parameter:
+    """A weight drawn U(-1/sqrt(fan_in), 1/sqrt(fan_in)) in place, directly in `dtype` (no fp32 copy
+    of a 27 GB expert bank), from the default generator the model seeds before construction."""
+    bound = fan_in ** -0.5
+    return nn.Parameter(torch.empty(shape, dtype=dtype).uniform_(-bound, bound))
+
+
+def linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+    layer.weight = weight((out_features, in_features), in_features, dtype)
+    return layer

@@ -1,0 +1,127 @@
+"""MoE: router (gate), routed experts in a fixed-shape dispatch, shared expert (MODEL.md section 5).
+
+    scores  = score_func(u_fp32 @ W_gate^T)                     [N, E]   sqrtsoftplus | sigmoid | softmax
+    idx     = topk(scores + bias, k)                            the bias steers selection only
+    weights = scores[idx] / (sum + 1e-20) * route_scale         unbiased scores, renormalised
+    expert  = w2( silu(min(w1 u, 10)) * clamp(w3 u, -10, 10) * weight )    the weight enters before w2
+    y       = sum over the k routed experts + shared expert(u)
+
+Dispatch is fixed-shape (no data-dependent Python control flow, so it traces with fullgraph):
+the N*k (token, expert) slots are sorted by expert and run as one grouped GEMM per projection
+(`torch._grouped_mm`, bf16 weights), or - for fp32 weights, which `_grouped_mm` does not take -
+as a batched GEMM over each slot's gathered expert weights (fine at the tiny CPU sizes it serves).
+Neither computes every expert on every token.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import linear, weight
+
+RENORM_EPS = 1e-20
+
+
+def score(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    if score_func == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))
+    if score_func == "sigmoid":
+        return torch.sigmoid(logits)
+    if score_func == "softmax":
+        return torch.softmax(logits, dim=-1)
+    raise ValueError(f"unknown score_func {score_func!r}; valid: sqrtsoftplus, sigmoid, softmax")
+
+
+def route(u: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, *, score_func: str,
+          k: int, renorm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k] fp32, expert ids [N, k]) for tokens u [N, D]. The reference of the gate."""
+    scores = score(u.float() @ gate_weight.float().t(), score_func)
+    choice = scores if bias is None else scores + bias
+    idx = torch.topk(choice, k, dim=-1).indices
+    weights = scores.gather(-1, idx)
+    if renorm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)
+    return weights * scale, idx
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(g, limit)) * clamp(v, -limit, limit) on [.., 2F] = [g | v], in fp32."""
+    g, v = gate_up.float().chunk(2, dim=-1)
+    return F.silu(g.clamp(max=limit)) * v.clamp(-limit, limit)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.k, self.score_func = cfg.n_active_experts, cfg.score_func
+        self.renorm, self.scale = cfg.route_norm, cfg.route_scale
+        self.weight = weight((cfg.n_experts, cfg.dim), cfg.dim, torch.float32)
+        # A selection bias comparable to the spread of the scores, so it really moves choices.
+        self.bias = nn.Parameter(torch.randn(cfg.n_experts, dtype=torch.float32) * 0.05)
+
+    def forward(self, u: torch.Tensor):
+        return route(u, self.weight, self.bias, score_func=self.score_func, k=self.k,
+                     renorm=self.renorm, scale=self.scale)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        E, D, F_ = cfg.n_experts, cfg.dim, cfg.expert_dim
+        self.limit = cfg.swiglu_limit
+        self.w13 = weight((E, 2 * F_, D), D, dtype)  # [w1 | w3] rows, nn.Linear layout (out, in)
+        self.w2 = weight((E, D, F_), F_, dtype)
+
+    def forward(self, u: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        n_tokens, k = idx.shape
+        slot_expert = idx.flatten()
+        if self.w13.dtype == torch.bfloat16:
+            out = self._grouped(u, weights.flatten(), slot_expert, k)
+        else:
+            out = self._gathered(u, weights.flatten(), slot_expert, k)
+        return out.view(n_tokens, k, -1).sum(dim=1).to(u.dtype)
+
+    def _grouped(self, u, slot_weight, slot_expert, k):
+        order = torch.argsort(slot_expert, stable=True)
+        tokens = u[order // k].to(self.w13.dtype)
+        counts = torch.zeros(self.w13.shape[0], dtype=torch.int32, device=u.device)
+        counts = counts.scatter_add(0, slot_expert, torch.ones_like(slot_expert, dtype=torch.int32))
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        gate_up = torch._grouped_mm(tokens, self.w13.transpose(-2, -1), offs=offsets)
+        act = clamped_swiglu(gate_up, self.limit) * slot_weight[order, None]
+        down = torch._grouped_mm(act.to(self.w2.dtype), self.w2.transpose(-2, -1), offs=offsets)
+        return down.float()[torch.argsort(order)]
+
+    def _gathered(self, u, slot_weight, slot_expert, k):
+        tokens = u.float().repeat_interleave(k, dim=0)
+        gate_up = torch.bmm(self.w13[slot_expert].float(), tokens.unsqueeze(-1)).squeeze(-1)
+        act = clamped_swiglu(gate_up, self.limit) * slot_weight[:, None]
+        return torch.bmm(self.w2[slot_expert].float(), act.unsqueeze(-1)).squeeze(-1)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.limit = cfg.swiglu_limit
+        self.w13 = linear(cfg.dim, 2 * cfg.expert_dim, dtype)
+        self.w2 = linear(cfg.expert_dim, cfg.dim, dtype)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w13(u), self.limit).to(u.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg, dtype)
+        self.shared = SharedExpert(cfg, dtype) if cfg.n_shared_experts else None
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        flat = u.flatten(0, -2)
+        weights, idx = self.gate(flat)
+        y = self.experts(flat, weights, idx).view_as(u)
+        if self.shared is not None:
+            y = y + self.shared(u)
+        return y

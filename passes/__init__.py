@@ -1,0 +1,1 @@
+"""The compiler: a pass manager for Inductor, the pass registry and one file per fusion pass."""

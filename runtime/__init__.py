@@ -1,0 +1,1 @@
+"""Serving-side execution: paged caches, the prefill planner for bounded replay, CUDA graphs."""

@@ -1,0 +1,89 @@
+"""Config presets, validation rules with named errors, JSON loading, and the published sizes."""
+
+import json
+
+import pytest
+
+from model.config import PRESETS, ConfigError, config_from_dict, load_config, preset
+from model.stats import global_kv_bytes_per_token, parameter_counts, swa_bytes_per_request
+
+
+def test_presets_are_valid_and_keep_every_role():
+    for name in ("tiny", "proxy", "flash"):
+        roles = {r["role"] for r in preset(name).role_table()}
+        assert roles == {"swa", "full", "reindex", "reuse"}, name
+    proxy, flash = preset("proxy"), preset("flash")
+    for field in ("dim", "n_heads", "head_dim", "n_experts", "n_active_experts", "expert_dim", "window",
+                  "index_heads", "index_head_dim", "index_topk"):
+        assert getattr(proxy, field) == getattr(flash, field), field
+
+
+def test_flash_role_table_matches_model_md():
+    cfg = preset("flash")
+    table = cfg.role_table()
+    assert [r["layer"] for r in table if r["role"] == "full"] == [2, 8, 14, 20]
+    assert [r["layer"] for r in table if r["role"] == "reindex"] == [24, 28, 32, 36]
+    assert [r["layer"] for r in table if r["role"] == "swa"] == [0, 1]
+    assert all(r["kv_source"] == 20 for r in table[21:])
+    assert table[25]["topk_source"] == 24 and table[23]["topk_source"] == 20 and table[19]["kv_source"] == 14
+    assert [r["layer"] for r in table if r["candidates"]] == [24, 28, 32, 36]
+    assert [r["layer"] for r in table if r["engram"]] == [1, 14]
+
+
+def test_flash_sizes():
+    cfg = preset("flash")
+    counts = parameter_counts(cfg)
+    # The published 552B: ours lands within 0.1% (551.9B); the Engram tables are reported apart.
+    assert abs(counts["backbone"] / 552e9 - 1) < 1e-3
+    assert 90e9 < counts["engram_tables"] < 110e9
+    assert global_kv_bytes_per_token(cfg) == 890
+    assert swa_bytes_per_request(cfg) == 528 * 40 * 128
+
+
+@pytest.mark.parametrize("changes, field, words", [
+    (dict(head_dim=48), "head_dim", "block size 32"),
+    (dict(candidate_blocks=2), "candidate_blocks", ">= index_topk"),
+    (dict(kv_source_layers=(4, 6), index_source_layers=(4, 6, 9)), "kv_source_layers", "precede"),
+    (dict(engram_layers=(1, 7)), "engram_layers", "encoder"),
+    (dict(compress_ratios=(0, 0) + (2,) * 10), "kv_source_layers", "L/2=6"),
+    (dict(kv_source_layers=(2, 4, 6, 8), index_source_layers=(2, 4, 6, 8, 9)), "kv_source_layers", "CED"),
+    (dict(score_func="relu"), "score_func", "sqrtsoftplus"),
+    (dict(quant="fp8"), "quant", "'ref', 'none'"),
+    (dict(n_active_experts=9), "n_active_experts", "n_experts=8"),
+    (dict(compress_ratios=(0,) * 11), "compress_ratios", "12"),
+    (dict(rope_dim=15), "rope_dim", "even"),
+])
+def test_validation_names_the_field_and_rule(changes, field, words):
+    with pytest.raises(ConfigError) as err:
+        preset("tiny").replace(**changes)
+    assert field in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_unknown_preset_lists_valid_choices():
+    with pytest.raises(ConfigError, match="tiny, proxy, flash"):
+        preset("huge")
+
+
+def test_json_with_hf_field_names(tmp_path):
+    data = {"hidden_size": 512, "num_attention_heads": 8, "n_routed_experts": 16, "num_experts_per_tok": 4,
+            "moe_intermediate_size": 64, "scoring_func": "sigmoid", "sliding_window": 16,
+            "rope_scaling": {"factor": 8, "original_max_position_embeddings": 4096},
+            "torch_dtype": "bfloat16", "bos_token_id": 0}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    cfg = load_config(tmp_path)
+    assert (cfg.dim, cfg.n_heads, cfg.n_experts, cfg.n_active_experts, cfg.expert_dim) == (512, 8, 16, 4, 64)
+    assert (cfg.score_func, cfg.window, cfg.yarn_factor, cfg.yarn_original_max_pos) == ("sigmoid", 16, 8, 4096)
+    assert set(cfg.extra) == {"torch_dtype", "bos_token_id"}
+    assert config_from_dict(preset("tiny").to_dict()) == preset("tiny")
+
+
+def test_bad_json_is_a_config_error(tmp_path):
+    (tmp_path / "bad.json").write_text("{nope")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.json")
+    (tmp_path / "c.json").write_text(json.dumps({"hidden_size": 250}))
+    with pytest.raises(ConfigError, match="dim"):
+        load_config(tmp_path / "c.json")

@@ -1,0 +1,1 @@
+"""The command line (`megafuse`): info, run; tools import everything and own nothing."""

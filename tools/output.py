@@ -1,0 +1,35 @@
+"""Shared output helpers of the tools: one rich console, JSON writing with run metadata."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from rich.console import Console
+
+console = Console(stderr=False)
+
+
+def environment() -> dict:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+
+
+def write_json(data: dict, path: str) -> None:
+    text = json.dumps(data, indent=2, default=str) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+        console.print(f"wrote {path}")
