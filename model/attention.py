@@ -193,14 +193,19 @@ class Attention(nn.Module):
         return codec(x) if self.cfg.quant == "ref" else x
 
     def _window(self, rows: torch.Tensor, row_positions: torch.Tensor, n_new: int):
-        """Each new query's W SWA rows: ([B, T, W, Dh], valid [T, W]). Rows are in position order and
-        the new tokens are the last T, so query t's window is the contiguous index range ending at it."""
+        """Each new query's W SWA rows: ([B, T, W, Dh], valid [T, W]).
+
+        Rows are in position order and the new tokens are the last T, so query t's window is the
+        W rows ending at it. Padding W-1 empty rows (position -1) in front makes every window a
+        strided view (`unfold`), with no clamped index arithmetic for Inductor to simplify.
+        """
         W = self.cfg.window
         first_new = rows.shape[1] - n_new
-        slot = first_new + torch.arange(n_new, device=rows.device)[:, None] - (W - 1) + torch.arange(W, device=rows.device)[None, :]
-        slot_c = slot.clamp(min=0)
-        valid = (slot >= 0) & (row_positions[slot_c] >= 0)
-        return rows[:, slot_c], valid
+        padded = torch.cat((rows.new_zeros(rows.shape[0], W - 1, rows.shape[2]), rows), dim=1)
+        padded_positions = torch.cat((row_positions.new_full((W - 1,), -1), row_positions))
+        windows = padded.unfold(1, W, 1)[:, first_new:].transpose(-1, -2)  # [B, T, W, Dh]
+        valid = padded_positions.unfold(0, W, 1)[first_new:] >= 0  # [T, W]
+        return windows, valid
 
     def _publish_global(self, u, positions, angles_of, shared, cache):
         """Full layers: compress the new tokens and publish entries + index keys (cached ones first)."""

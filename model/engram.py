@@ -233,7 +233,7 @@ class Engram(nn.Module):
     only the table, so it can run (prefetch) ahead of the layer.
     """
 
-    def __init__(self, cfg, layer_id: int):
+    def __init__(self, cfg, layer_id: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.hasher = EngramHasher(cfg, layer_id)
         self.dim = int(cfg.dim)
@@ -241,8 +241,9 @@ class Engram(nn.Module):
         self.eps = float(cfg.rms_norm_eps)
         self.head_dim = int(cfg.engram_head_dim)
         fan_in = self.hasher.rows_per_token * self.head_dim
-        self.table = nn.Parameter(torch.empty(self.hasher.total_rows, self.head_dim))
-        self.wkv = nn.Linear(fan_in, (self.hc_mult + 1) * self.dim, bias=False)
+        # table and wkv take the model dtype; qk_w stays fp32 (it only enters the fp32 gate).
+        self.table = nn.Parameter(torch.empty(self.hasher.total_rows, self.head_dim, dtype=dtype))
+        self.wkv = nn.Linear(fan_in, (self.hc_mult + 1) * self.dim, bias=False, dtype=dtype)
         self.qk_w = nn.Parameter(torch.empty(self.hc_mult, self.dim))
         self.reset_parameters()
 
@@ -259,7 +260,7 @@ class Engram(nn.Module):
         self.qk_w.normal_(1.0, 0.02)
 
     def lookup_flat(self, ids: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
-        """ids [B, T] (+ history, as in EngramHasher.rows) -> flat [B, T, R*head_dim], table dtype."""
+        """ids [B, T], history (see EngramHasher.rows) -> flat [B, T, R*head_dim] in table dtype."""
         rows = self.hasher.rows(ids, history)
         return F.embedding(rows, self.table).flatten(-2)
 

@@ -48,7 +48,7 @@ class Block(nn.Module):
         self.layer, self.delayed = layer, cfg.hc_delayed
         n, D = cfg.hc_mult, cfg.dim
         hc = dict(sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-        self.engram = Engram(cfg, layer) if layer in cfg.engram_layers else None
+        self.engram = Engram(cfg, layer, dtype) if layer in cfg.engram_layers else None
         self.attn_hc = HyperConnection(n, D, **hc)
         self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer, dtype)
