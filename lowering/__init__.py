@@ -1,1 +1,13 @@
-"""Kernel generation: FusionSpec -> Triton source, a kernel cache on disk, launch code, references."""
+"""Kernel generation: FusionSpec -> Triton source, a kernel cache on disk, launch code, references.
+
+    kernel_cache   where generated sources live (~/.cache/megafuse/kernels, $MEGAFUSE_KERNEL_CACHE,
+                   set_cache_dir), atomic writes, and loading one module per Triton mode
+                   (interpreter for CPU tensors, compiler for CUDA tensors)
+    mega_gate      GateSpec -> the Mega-Gate kernel (gate GEMM + scoring + bias + top-k + gather +
+                   renormalise + scale in one launch), its launcher and its torch reference
+
+Every generator here follows the same shape: a frozen spec with `key()` and `describe()`,
+`unsupported_reason(spec)` for the pass report, `generate_source(spec)` from a template in the
+module, a launcher that validates its inputs against the spec, and `reference(...)` that calls the
+model's own maths. `lowering/` knows kernels, not graphs.
+"""

@@ -34,12 +34,15 @@ def score(logits: torch.Tensor, score_func: str) -> torch.Tensor:
 
 
 def route(u: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, *, score_func: str,
-          k: int, renorm: bool, scale: float, renorm_eps: float = RENORM_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+          k: int, renorm: bool, scale: float, renorm_eps: float = RENORM_EPS,
+          logits_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [N, k] fp32, expert ids [N, k]) for tokens u [N, D]. The reference of the gate.
 
-    `renorm_eps=0.0` renormalises without an eps (w / sum w); `scale=1.0` is "no scale".
+    `renorm_eps=0.0` renormalises without an eps (w / sum w); `scale=1.0` is "no scale";
+    `logits_dtype=torch.bfloat16` rounds the logits as a bf16 GEMM writes them, scoring in fp32.
     """
-    scores = score(u.float() @ gate_weight.float().t(), score_func)
+    logits = (u.float() @ gate_weight.float().t()).to(logits_dtype).float()
+    scores = score(logits, score_func)
     choice = scores if bias is None else scores + bias
     idx = torch.topk(choice, k, dim=-1).indices
     weights = scores.gather(-1, idx)

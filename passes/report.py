@@ -1,0 +1,109 @@
+"""What every pass reports: matches, rejected candidates with the reason, time spent.
+
+One `PassReport` per pass per compiled graph; a `CompileReport` gathers them across the graphs a
+`passes.compile` produced (one per Dynamo graph, and one more per recompile) and renders the table
+the tools print. Tests assert exact counts from it ("one gate per MoE layer").
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+from rich.table import Table
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def source_location(node) -> str | None:
+    """file:line of the innermost frame of the user code that produced an FX node."""
+    trace = node.meta.get("stack_trace") if hasattr(node, "meta") else None
+    if not trace:
+        return None
+    frames = _FRAME.findall(trace)
+    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else None
+
+
+@dataclass
+class Match:
+    op: str  # the canonical op the chain became, e.g. "megafuse::mega_gate"
+    node: str  # the new node
+    spec: dict  # the FusionSpec the kernel is generated for
+    replaced: list[str]  # FX node names of the chain
+    sources: list[str]  # file:line of the replaced nodes, deduplicated, in graph order
+
+
+@dataclass
+class Rejection:
+    anchor: str  # the node the pattern was anchored at
+    reason: str
+    source: str | None = None
+
+
+@dataclass
+class PassReport:
+    name: str
+    matches: list[Match] = field(default_factory=list)
+    rejections: list[Rejection] = field(default_factory=list)
+    time_s: float = 0.0
+    # Every anchor the matcher looked at and what it decided, for the debug hook (why not here?).
+    decisions: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("decisions")
+        return d
+
+
+@dataclass
+class GraphReport:
+    passes: list[PassReport] = field(default_factory=list)
+
+
+class CompileReport:
+    """All graphs compiled under one pass manager; `counts()` sums matches per pass."""
+
+    def __init__(self, pass_names: list[str]):
+        self.pass_names = list(pass_names)
+        self.graphs: list[GraphReport] = []
+
+    def _all(self, name: str) -> list[PassReport]:
+        return [p for g in self.graphs for p in g.passes if p.name == name]
+
+    def matches(self, name: str) -> list[Match]:
+        return [m for p in self._all(name) for m in p.matches]
+
+    def rejections(self, name: str) -> list[Rejection]:
+        return [r for p in self._all(name) for r in p.rejections]
+
+    def counts(self) -> dict[str, int]:
+        return {name: len(self.matches(name)) for name in self.pass_names}
+
+    def why(self, node_name: str) -> dict[str, str]:
+        """The debug hook: what each pass decided at the FX node `node_name` (all graphs)."""
+        return {p.name: p.decisions[node_name] for g in self.graphs for p in g.passes if node_name in p.decisions}
+
+    def to_dict(self) -> dict:
+        return {
+            "passes": self.pass_names,
+            "graphs": len(self.graphs),
+            "counts": self.counts(),
+            "per_pass": {
+                name: {
+                    "matches": [asdict(m) for m in self.matches(name)],
+                    "rejections": [asdict(r) for r in self.rejections(name)],
+                    "time_s": sum(p.time_s for p in self._all(name)),
+                }
+                for name in self.pass_names
+            },
+        }
+
+    def table(self) -> Table:
+        table = Table(title="megafuse passes")
+        for col in ("pass", "matches", "rejected", "time (ms)", "rejection reasons"):
+            table.add_column(col)
+        for name in self.pass_names:
+            reasons = sorted({r.reason for r in self.rejections(name)})
+            table.add_row(name, str(len(self.matches(name))), str(len(self.rejections(name))),
+                          f"{sum(p.time_s for p in self._all(name)) * 1e3:.1f}", "; ".join(reasons) or "-")
+        return table

@@ -1,0 +1,73 @@
+"""The pass manager and the public API: cache key, registry, errors, dynamic shapes, no global state."""
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+
+import passes
+from passes.manager import PassManager
+from passes.mega_gate import MegaGatePass
+from tests.passes.gate_clients import GateChain
+
+
+def test_uuid_depends_on_enabled_passes_options_and_source(monkeypatch):
+    base = PassManager("all").uuid()
+    assert PassManager("all").uuid() == base  # stable
+    assert PassManager("none").uuid() != base
+    assert PassManager("all", options={"mega_gate": {"precision": "ieee"}}).uuid() != base
+    monkeypatch.setattr(MegaGatePass, "source", lambda self: "changed source")
+    assert PassManager("all").uuid() != base
+
+
+def test_registry_lists_passes_with_descriptions():
+    assert passes.available() == ["mega_gate"]
+    assert "top-k" in passes.descriptions()["mega_gate"]
+
+
+@pytest.mark.parametrize("selection, words", [
+    (["mega_gat"], "valid passes: mega_gate"),
+    ("nope,mega_gate", "valid passes: mega_gate"),
+])
+def test_unknown_pass_names_list_the_valid_ones(selection, words):
+    with pytest.raises(ValueError, match=words):
+        passes.compile(GateChain(), passes=selection)
+
+
+def test_bad_options_and_backends_are_errors():
+    with pytest.raises(ValueError, match="unknown options"):
+        PassManager("all", options={"mega_gate": {"precison": "ieee"}})
+    with pytest.raises(ValueError, match="backend must be 'inductor'"):
+        passes.compile(GateChain(), backend="eager")
+
+
+def test_no_global_state_left_behind():
+    torch._dynamo.reset()
+    fused = passes.compile(GateChain(), passes="all", fullgraph=True)
+    fused(torch.randn(5, 64))
+    assert fused.report.counts() == {"mega_gate": 1}
+    assert inductor_config.post_grad_custom_post_pass is None
+    # a plain torch.compile afterwards sees no megafuse pass
+    torch._dynamo.reset()
+    plain = torch.compile(GateChain(), fullgraph=True)
+    plain(torch.randn(5, 64))
+
+
+def test_dynamic_token_dimension_compiles_once(tmp_path):
+    torch._dynamo.reset()
+    module = GateChain()
+    fused = passes.compile(module, passes="all", dynamic=True, fullgraph=True)
+    for n_tokens in (3, 8, 21, 40):
+        u = torch.randn(n_tokens, 64)
+        w, ids = fused(u)
+        w_ref, ids_ref = module(u)
+        assert torch.equal(ids.sort(-1).values, ids_ref.sort(-1).values)
+    assert len(fused.report.graphs) == 1  # one compile serves every length
+    assert fused.report.counts() == {"mega_gate": 1}
+
+
+def test_dumps_before_and_after(tmp_path):
+    torch._dynamo.reset()
+    passes.compile(GateChain(), passes="all", dump_dir=tmp_path)(torch.randn(4, 64))
+    before = (tmp_path / "graph000_mega_gate_before.txt").read_text()
+    after = (tmp_path / "graph000_mega_gate_after.txt").read_text()
+    assert "aten.topk" in before and "aten.topk" not in after and "megafuse.mega_gate" in after

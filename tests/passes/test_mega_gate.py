@@ -1,0 +1,146 @@
+"""Mega-Gate pass: exact match counts, the unfused ops gone, equality with the unfused chain,
+near misses left alone with the reason."""
+
+import itertools
+
+import pytest
+import torch
+
+import passes
+from tests.passes.gate_clients import BiasInWeights, GateChain, MixtralRouter, SoftmaxAfterTopk, TopkOverTokens
+
+
+def _compile(module, tmp_path, which="all"):
+    torch._dynamo.reset()
+    return passes.compile(module, passes=which, dump_dir=tmp_path, fullgraph=True)
+
+
+def _after_graph(tmp_path) -> str:
+    return "\n".join(p.read_text() for p in sorted(tmp_path.glob("graph*_mega_gate_after.txt")))
+
+
+def _assert_same_routing(got, ref, *, rtol, choice=None, tie_rtol=0.0):
+    """Same experts in every row, except rows where the reference's k-th and (k+1)-th choices tie
+    (torch.topk leaves tie order open). Ties are exact in fp32; with bf16 logits they are ties at
+    bf16 resolution (`tie_rtol`): the kernel and torch accumulate the GEMM in different orders, so a
+    logit can round to the neighbouring bf16 value. Weights within rtol on the rows that agree."""
+    (w, ids), (w_ref, ids_ref) = got, ref
+    order, order_ref = ids.argsort(-1), ids_ref.argsort(-1)
+    same = (ids.gather(-1, order) == ids_ref.gather(-1, order_ref)).all(-1)
+    if choice is not None and choice.shape[-1] > ids.shape[-1]:
+        top = choice.topk(ids.shape[-1] + 1, dim=-1).values
+        tied = (top[:, -2] - top[:, -1]).abs() <= tie_rtol * top[:, -2].abs()
+        assert (same | tied).all(), "selection differs on a row without a tie"
+    else:
+        assert same.all(), "selection differs"
+    w_s, w_ref_s = w.float().gather(-1, order)[same], w_ref.float().gather(-1, order_ref)[same]
+    assert ((w_s - w_ref_s).norm() / w_ref_s.norm()).item() <= rtol
+
+
+def _choice(module, u):
+    """The biased choice the chain selects on, recomputed the way the module does."""
+    logits = torch.nn.functional.linear(u.to(module.gemm_dtype), module.weight.to(module.gemm_dtype)).float()
+    scores = {"sqrtsoftplus": lambda x: torch.nn.functional.softplus(x).sqrt(), "sigmoid": torch.sigmoid,
+              "softmax": lambda x: x.softmax(-1)}[module.score_func](logits)
+    return scores + module.bias if module.bias is not None else scores
+
+
+VARIANTS = list(itertools.product(["sqrtsoftplus", "sigmoid", "softmax"], [True, False], ["eps", "plain", None]))
+
+
+@pytest.mark.parametrize("score_func, bias, renorm", VARIANTS)
+def test_every_fp32_variant_matches_once_and_equals_the_chain(tmp_path, score_func, bias, renorm):
+    scale = 1.5 if renorm != "plain" else None  # both scale forms appear across the grid
+    module = GateChain(score_func=score_func, bias=bias, renorm=renorm, scale=scale)
+    u = torch.randn(33, 64, generator=torch.Generator().manual_seed(len(VARIANTS)))
+    fused = _compile(module, tmp_path)
+    out = fused(u)
+    assert fused.report.counts() == {"mega_gate": 1}
+    after = _after_graph(tmp_path)
+    assert "megafuse.mega_gate" in after
+    for gone in ("aten.topk", "aten.gather", "aten.mm", "aten.sigmoid", "aten.sqrt", "aten.amax"):
+        assert gone not in after, gone
+    match = fused.report.matches("mega_gate")[0]
+    assert match.spec["score_func"] == score_func and match.spec["has_bias"] == bias
+    assert match.spec["renorm"] == (renorm is not None)
+    assert match.spec["renorm_eps"] == (1e-20 if renorm == "eps" else 0.0)
+    assert match.spec["scale"] == (scale or 1.0)
+    _assert_same_routing(out, module(u), rtol=1e-5, choice=_choice(module, u))
+
+
+@pytest.mark.parametrize("score_func", ["sqrtsoftplus", "softmax"])
+def test_bf16_gemm_inputs(tmp_path, score_func):
+    module = GateChain(score_func=score_func, gemm_dtype=torch.bfloat16)
+    u = torch.randn(17, 64, generator=torch.Generator().manual_seed(3))
+    fused = _compile(module, tmp_path)
+    out = fused(u)
+    assert fused.report.counts() == {"mega_gate": 1}
+    assert fused.report.matches("mega_gate")[0].spec["logits_dtype"] == "bfloat16"
+    _assert_same_routing(out, module(u), rtol=1e-2, choice=_choice(module, u), tie_rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("n_experts, k", [(7, 1), (6, 6), (48, 5)])
+def test_odd_expert_counts_and_extreme_k(tmp_path, n_experts, k):
+    module = GateChain(n_experts=n_experts, k=k, hidden=32)
+    u = torch.randn(9, 32)
+    fused = _compile(module, tmp_path)
+    out = fused(u)
+    assert fused.report.counts() == {"mega_gate": 1}
+    _assert_same_routing(out, module(u), rtol=1e-5)
+
+
+def test_mixtral_style_router_matches(tmp_path):
+    module = MixtralRouter()
+    u = torch.randn(20, 64)
+    fused = _compile(module, tmp_path)
+    out = fused(u)
+    assert fused.report.counts() == {"mega_gate": 1}
+    assert fused.report.matches("mega_gate")[0].spec["score_func"] == "softmax"
+    _assert_same_routing(out, module(u), rtol=1e-5)
+
+
+def test_scores_computed_in_bf16_stay_unfused_with_the_reason(tmp_path):
+    class Bf16Scores(GateChain):
+        def forward(self, u):
+            scores = torch.nn.functional.linear(u, self.weight).sigmoid()  # bf16 all the way
+            ids = torch.topk(scores, self.k, dim=-1).indices
+            return scores.gather(-1, ids), ids
+
+    module = Bf16Scores().to(torch.bfloat16)
+    fused = _compile(module, tmp_path)
+    fused(torch.randn(8, 64).bfloat16())
+    assert fused.report.counts() == {"mega_gate": 0}
+    assert "computed in torch.bfloat16" in fused.report.rejections("mega_gate")[0].reason
+
+
+@pytest.mark.parametrize("module, reason", [
+    (BiasInWeights(bias=True), "bias also enters the weights"),
+    (TopkOverTokens(), "not the expert dimension"),
+    (SoftmaxAfterTopk(), "not a gate score"),
+])
+def test_near_misses_are_not_matched_and_say_why(tmp_path, module, reason):
+    u = torch.randn(16, 64)
+    fused = _compile(module, tmp_path)
+    out = fused(u)
+    assert fused.report.counts() == {"mega_gate": 0}
+    reasons = [r.reason for r in fused.report.rejections("mega_gate")]
+    assert len(reasons) == 1 and reason in reasons[0], reasons
+    assert "aten.topk" in _after_graph(tmp_path)
+    ref = module(u)
+    assert all(torch.equal(a, b) for a, b in zip(out[1:], ref[1:]))
+
+
+def test_disabled_pass_leaves_the_chain(tmp_path):
+    module = GateChain()
+    fused = _compile(module, tmp_path, which="none")
+    fused(torch.randn(4, 64))
+    assert fused.report.counts() == {}
+    assert not list(tmp_path.glob("*mega_gate*"))
+
+
+def test_debug_hook_explains_a_node(tmp_path, capsys):
+    torch._dynamo.reset()
+    fused = passes.compile(TopkOverTokens(), passes=["mega_gate"], debug_nodes=["topk"], fullgraph=True)
+    fused(torch.randn(8, 64))
+    assert "not the expert dimension" in fused.report.why("topk")["mega_gate"]
+    assert "[megafuse debug] mega_gate at topk" in capsys.readouterr().err

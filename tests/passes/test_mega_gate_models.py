@@ -1,0 +1,61 @@
+"""Mega-Gate on whole models: ours (`tiny`) and one nobody here wrote (HF transformers' DeepseekV4)."""
+
+import pytest
+import torch
+
+import passes
+from model import build_model, preset
+
+
+def test_tiny_one_gate_per_moe_layer_and_logits_equal_eager(tmp_path):
+    cfg = preset("tiny").replace(quant="none")
+    model = build_model(cfg, seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    fused = passes.compile(model, passes=["mega_gate"], dump_dir=tmp_path, fullgraph=True)
+    logits = fused(ids)
+    # Every layer of the model is MoE: 12 layers -> 12 gates, and no gate op survives the pass.
+    assert fused.report.counts() == {"mega_gate": cfg.n_layers}
+    assert fused.report.rejections("mega_gate") == []
+    after = (tmp_path / "graph000_mega_gate_after.txt").read_text()
+    assert after.count("megafuse.mega_gate.default") == cfg.n_layers
+    for gone in ("aten.topk", "aten.gather", "aten.sqrt.default(mm"):
+        assert gone not in after
+    # the replaced nodes map back to the model's own source: the router in model/moe.py
+    sources = {s for m in fused.report.matches("mega_gate") for s in m.sources}
+    assert sources and all("model/moe.py:" in s and s.rsplit(":", 1)[1].isdigit() for s in sources)
+    assert (logits - model(ids)).abs().max().item() <= 1e-4
+
+
+hf = pytest.importorskip("transformers")
+
+
+def _hf_model():
+    cfg = hf.DeepseekV4Config(
+        vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        head_dim=32, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, hc_mult=4, o_groups=1,
+        o_lora_rank=16, index_n_heads=2, index_head_dim=32, index_topk=4, sliding_window=8,
+        compress_ratios=[0, 0, 0, 0], num_hash_layers=2, partial_rotary_factor=0.5, use_cache=False)
+    torch.manual_seed(0)
+    model = hf.DeepseekV4ForCausalLM(cfg).eval()
+    for layer in model.model.layers:  # a random bias, so that selection really depends on it
+        if hasattr(layer.mlp.gate, "e_score_correction_bias"):
+            layer.mlp.gate.e_score_correction_bias.normal_(std=0.05)
+    return model
+
+
+def test_hf_deepseek_v4_fires_on_moe_layers_only_and_equals_unfused_compile():
+    model = _hf_model()
+    layer_kinds = model.config.mlp_layer_types
+    assert layer_kinds == ["hash_moe", "hash_moe", "moe", "moe"]
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    fused = passes.compile(model, passes="all")
+    logits = fused(ids, use_cache=False).logits
+    torch._dynamo.reset()
+    unfused = passes.compile(model, passes="none")(ids, use_cache=False).logits
+    # one gate per `moe` layer; `hash_moe` selects by table lookup and has no top-k to match
+    assert fused.report.counts()["mega_gate"] == layer_kinds.count("moe")
+    sources = {s.split(":")[0] for m in fused.report.matches("mega_gate") for s in m.sources}
+    assert any(s.endswith("modeling_deepseek_v4.py") for s in sources)
+    assert (logits - unfused).abs().max().item() <= 1e-4
