@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Iterable
 
 import torch.fx as fx
+from torch._inductor.pattern_matcher import stable_topological_sort
 
 from .report import Match, PassReport, Rejection, source_location
 
@@ -44,6 +45,7 @@ class FusionPass:
     description: ClassVar[str]
     op: ClassVar[str]
     default_options: ClassVar[dict] = {}
+    run_order: ClassVar[int] = 100  # the manager runs passes by ascending run_order
 
     def __init__(self, **options):
         unknown = set(options) - set(self.default_options)
@@ -96,6 +98,8 @@ class FusionPass:
             new = self.rewrite(graph, candidate)
             report.decisions[anchor.name] = f"matched -> {new.name}"
             report.matches.append(Match(self.op, new.name, candidate.spec, replaced, sources))
+        if report.matches:
+            stable_topological_sort(graph)  # a fused op may sit after a reader Inductor hoisted
         graph.eliminate_dead_code()
         graph.lint()
         report.time_s = time.perf_counter() - start

@@ -93,6 +93,7 @@ class MegaGatePass(FusionPass):
     description = "MoE gate: GEMM + scoring + bias + top-k + gather + renormalise + scale in one kernel"
     op = "megafuse::mega_gate"
     default_options = {"precision": "tf32x3"}
+    run_order = 20
 
     def anchors(self, graph: fx.Graph):
         return [n for n in graph.nodes if is_op(n, aten.topk)]

@@ -17,6 +17,7 @@ import torch
 from torch._inductor.lowering import fallback_handler, register_lowering
 
 from lowering import mega_gate as gate_kernels
+from lowering import mega_mhc as mhc_kernels
 
 
 def gate_spec(u: torch.Tensor, weight: torch.Tensor, bias, score_func: str, k: int, renorm: bool,
@@ -63,3 +64,67 @@ def _bind(canonical, kernel) -> None:
 
 _bind(torch.ops.megafuse.mega_gate.default, torch.ops.megafuse.mega_gate_kernel.default)
 
+
+# ---- megafuse::mega_mhc ---------------------------------------------------------------------------
+# Outputs are always five tensors (custom ops return a fixed structure): the new stream X', the
+# normalised sublayer input u, and the next site's pre / post / comb. Outputs a form does not
+# produce (X' without a post, coefficients without a head) are empty tensors that nothing reads.
+
+def mhc_spec(streams, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode):
+    return mhc_kernels.MhcSpec(
+        n=streams.shape[-2], dim=streams.shape[-1], sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
+        stat_eps=stat_eps, norm_eps=norm_eps, has_post=has_post, has_coefficients=has_coefficients,
+        pre=pre_mode, stream_dtype=str(streams.dtype).removeprefix("torch."))
+
+
+def _flat(t, keep):
+    return None if t is None else t.reshape(-1, *t.shape[t.dim() - keep:])
+
+
+def _run_mhc(impl, streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps,
+             stat_eps, norm_eps, has_post, has_coefficients, pre_mode):
+    """Flatten the leading dims to tokens, run `impl`, restore them; empty tensors for absent outputs."""
+    lead, n, dim = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
+    spec = mhc_spec(streams, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode)
+    out = impl(_flat(streams, 2), _flat(y, 1), _flat(post, 1), _flat(comb, 2), _flat(carried_pre, 1),
+               fn, base, scale, norm_weight, spec)
+    shapes = ((n, dim), (dim,), (n,), (n,), (n, n))
+    # a distinct empty tensor per absent output: custom-op returns may not alias each other
+    return tuple(streams.new_empty(0) if t is None else t.reshape(*lead, *shape) for t, shape in zip(out, shapes))
+
+
+@torch.library.custom_op("megafuse::mega_mhc", mutates_args=())
+def mega_mhc(streams: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor | None, comb: torch.Tensor | None,
+             carried_pre: torch.Tensor | None, fn: torch.Tensor | None, base: torch.Tensor | None,
+             scale: torch.Tensor | None, norm_weight: torch.Tensor, sinkhorn_iters: int, hc_eps: float,
+             stat_eps: float, norm_eps: float, has_post: bool, has_coefficients: bool,
+             pre_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC seam (post + coefficients + pre + RMSNorm): the torch reference."""
+    return _run_mhc(mhc_kernels.reference, streams, y, post, comb, carried_pre, fn, base, scale, norm_weight,
+                    sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode)
+
+
+@torch.library.custom_op("megafuse::mega_mhc_kernel", mutates_args=())
+def mega_mhc_kernel(streams: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor | None,
+                    comb: torch.Tensor | None, carried_pre: torch.Tensor | None, fn: torch.Tensor | None,
+                    base: torch.Tensor | None, scale: torch.Tensor | None, norm_weight: torch.Tensor,
+                    sinkhorn_iters: int, hc_eps: float, stat_eps: float, norm_eps: float, has_post: bool,
+                    has_coefficients: bool, pre_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _run_mhc(mhc_kernels.mega_mhc, streams, y, post, comb, carried_pre, fn, base, scale, norm_weight,
+                    sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode)
+
+
+def mhc_fake(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps, stat_eps,
+             norm_eps, has_post, has_coefficients, pre_mode):
+    lead, n, dim = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
+    f32 = dict(dtype=torch.float32)
+    return (streams.new_empty(*lead, n, dim) if has_post else streams.new_empty(0),
+            streams.new_empty(*lead, dim),
+            streams.new_empty(*lead, n, **f32) if has_coefficients else streams.new_empty(0),
+            streams.new_empty(*lead, n, **f32) if has_coefficients else streams.new_empty(0),
+            streams.new_empty(*lead, n, n, **f32) if has_coefficients else streams.new_empty(0))
+
+
+mega_mhc.register_fake(mhc_fake)
+mega_mhc_kernel.register_fake(mhc_fake)
+_bind(torch.ops.megafuse.mega_mhc.default, torch.ops.megafuse.mega_mhc_kernel.default)

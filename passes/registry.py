@@ -18,19 +18,19 @@ def register(cls: type[FusionPass]) -> type[FusionPass]:
 
 
 def available() -> list[str]:
+    """Registered pass names in the order the manager runs them (each pass's `run_order`)."""
     _load_builtin_passes()
-    return list(_PASSES)
+    return sorted(_PASSES, key=lambda name: _PASSES[name].run_order)
 
 
 def descriptions() -> dict[str, str]:
-    _load_builtin_passes()
-    return {name: cls.description for name, cls in _PASSES.items()}
+    return {name: _PASSES[name].description for name in available()}
 
 
 def get(name: str) -> type[FusionPass]:
     _load_builtin_passes()
     if name not in _PASSES:
-        raise ValueError(f"unknown pass {name!r}; valid passes: {', '.join(_PASSES) or '(none)'}")
+        raise ValueError(f"unknown pass {name!r}; valid passes: {', '.join(available()) or '(none)'}")
     return _PASSES[name]
 
 
@@ -50,4 +50,5 @@ def resolve(selection) -> list[str]:
 
 def _load_builtin_passes() -> None:
     # Importing a pass module registers it; kept lazy so `passes.registry` imports nothing heavy.
+    from . import mega_mhc  # noqa: F401
     from . import mega_gate  # noqa: F401

@@ -29,13 +29,12 @@ import datetime
 import json
 import os
 import sys
-import time
-import traceback
 
 import torch
 import triton
 import triton.language as tl
 
+from tools.bench_common import Stages, time_cold_l2_us, time_eager_us, time_graph_us
 from lowering import mega_gate as mg
 from lowering.mega_gate import GateSpec, LaunchConfig
 from model.moe import route, score
@@ -219,47 +218,6 @@ def chain(u, w, b):
                  renorm_eps=V4.renorm_eps)
 
 
-def time_graph_us(fn) -> float:
-    from triton.testing import do_bench_cudagraph
-    return do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
-
-
-def time_eager_us(fn) -> float:
-    from triton.testing import do_bench
-    return do_bench(fn, rep=60, return_mode="median") * 1e3
-
-
-def time_cold_l2_us(fn, n: int = 40, flush_mb: int = 96) -> float:
-    """Graph of n x (flush L2; fn) minus graph of n x (flush L2), per call."""
-    flush = torch.empty(flush_mb * 2 ** 20 // 4, dtype=torch.float32, device="cuda")
-    stream = torch.cuda.Stream()
-    graphs = []
-    with torch.cuda.stream(stream):
-        fn()
-        for with_fn in (True, False):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(n):
-                    flush.zero_()
-                    if with_fn:
-                        fn()
-            graphs.append(g)
-    torch.cuda.synchronize()
-    med = []
-    for g in graphs:
-        times = []
-        for _ in range(15):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            g.replay()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        times.sort()
-        med.append(times[len(times) // 2])
-    return (med[0] - med[1]) / n * 1e3
-
-
 def sweep_configs(T: int) -> list[LaunchConfig]:
     """Alternatives timed by --sweep after the default (choose_config's)."""
     C = LaunchConfig
@@ -389,21 +347,8 @@ def main(argv=None) -> int:
            "cuda": torch.version.cuda, "spec": V4.describe(), "hbm_bytes_per_s": HBM_BYTES_PER_S,
            "launch_floor_us": LAUNCH_FLOOR_US, "tie_tol": TIE_TOL, "stages": {}}
 
-    def save():
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-
-    def stage(name, fn):
-        t0 = time.time()
-        log(f"== {name}")
-        try:
-            res[name] = fn()
-            res["stages"][name] = {"ok": True, "seconds": round(time.time() - t0, 1)}
-        except Exception:
-            tb = traceback.format_exc()
-            log(tb)
-            res["stages"][name] = {"ok": False, "seconds": round(time.time() - t0, 1), "error": tb[-2000:]}
-        save()
+    stages = Stages(res, args.out, log)
+    stage, save = stages.run, stages.save
 
     stage("correctness", lambda: correctness_suite(device, args.dry_run, log))
     stage("ties", lambda: tie_check(device))

@@ -10,8 +10,6 @@ stable order (descending choice, then the lowest expert index), all other rows m
 """
 
 import itertools
-import os
-import warnings
 
 import pytest
 import torch

@@ -121,7 +121,7 @@ def test_rope_rotates_only_the_tail_in_interleaved_pairs_and_inverts():
     ang = rope_angles(torch.tensor([0, 1, 7]), freqs)[:, None, :]
     y = apply_rope(x, ang)
     assert torch.equal(y[..., :24], x[..., :24])
-    p, i = 2, 1  # position 7, pair 1 -> dims 26, 27
+    p = 2  # position 7, pair 1 -> dims 26, 27
     a = 7 * 0.5
     assert torch.allclose(y[p, :, 26], x[p, :, 26] * math.cos(a) - x[p, :, 27] * math.sin(a), atol=1e-6)
     assert torch.allclose(y[p, :, 27], x[p, :, 26] * math.sin(a) + x[p, :, 27] * math.cos(a), atol=1e-6)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from model.config import PRESETS, ConfigError, config_from_dict, load_config, preset
+from model.config import ConfigError, config_from_dict, load_config, preset
 from model.stats import global_kv_bytes_per_token, parameter_counts, swa_bytes_per_request
 
 

@@ -13,7 +13,7 @@ hf = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers import DeepseekV4Config  # noqa: E402
 
 from model import preset  # noqa: E402
-from model.mhc import HyperConnection, hc_pre, mhc_coefficients  # noqa: E402
+from model.mhc import hc_pre, mhc_coefficients  # noqa: E402
 from model.moe import route  # noqa: E402
 from model.rope import apply_rope, rope_angles, rope_frequencies  # noqa: E402
 from model.transformer import Block  # noqa: E402

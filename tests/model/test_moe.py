@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import build_model, preset
+from model import preset
 from model.moe import MoE, route
 
 

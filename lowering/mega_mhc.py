@@ -1,0 +1,1147 @@
+"""Mega-mHC: the mHC seam between two sublayers in one generated Triton launch.
+
+    X'   = hc_post(y, X, post, comb)          if has_post, else X         [T, n, D], stream dtype
+    pre', post', comb' = mhc_coefficients(X')  if has_coefficients         fp32 [T,n], [T,n], [T,n,n]
+    c    = hc_pre(X', p)                       p = carried pre, or pre' ("fresh")     [T, D]
+    u    = (rms_normalize(c, norm_eps) * norm_weight).to(stream dtype)             [T, D]
+
+(MODEL.md section 3; KERNELS.md "Mega-mHC".) Rounding follows the reference exactly: X' is rounded
+to the stream dtype before anything reads it, c is rounded before its RMS statistic, and every
+statistic is fp32. Forms the pass binds:
+
+    form                         has_post  has_coefficients  pre
+    delayed seam (V4.1)          yes       yes               carried
+    first seam (one-hot pre)     no        yes               carried
+    Engram seam (after inject)   no        yes               carried
+    final collapse + last norm   yes       no                carried
+    V4 non-delayed               either    yes               fresh
+
+`mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)` returns
+`(X' or None, u, pre' or None, post' or None, comb' or None)`; `reference` is the same maths as
+plain torch (it calls `model.mhc` and `model.layers.rms_normalize`, so the formulas exist once).
+`generate_source(spec)` renders the kernel from the template below; the launcher writes it to the
+kernel cache (`kernel_cache.py`) and loads it compiled for CUDA tensors and interpreted for CPU
+tensors: one source for both.
+
+Kernel design (H200; memory-bound)
+----------------------------------
+Traffic per token in bf16: read y (2D) and X (8D), write X' (8D) and u (2D), plus fn
+((2+n)n x nD fp32 = 1.97 MB at n=4, D=5120) once per launch. FLOPs are negligible, so the kernel is
+organised around moving those bytes once:
+
+* Stage A: a token tile of TILE_T tokens sweeps (a slice of) D in BLOCK_D-column chunks. Every
+  stream is its own [TILE_T, BLOCK_D] register tile (the generator unrolls the n streams, so the
+  post + comb mix, the statistics and the collapse are elementwise in one layout). Per chunk: form
+  X' (post + comb mix) in fp32, round and store it, add its squares to the coefficient statistic,
+  add its projection onto fn (per stream a `tl.dot` of [TILE_T, BLOCK_D] x [BLOCK_D, SLOT], fn's
+  (2+n)n rows padded to SLOT), collapse it with the carried pre, round the collapse and *park* it
+  in u, add its squares to the norm statistic. The next chunk's inputs (y, X, fn's block) are
+  loaded before the current one is computed (register double-buffering). fn's block is read once
+  per token tile, not per token.
+* The coefficients need the whole row: the tile's partial sums ((2+n)n projections, sum X'^2,
+  sum c^2) meet in one fp32 accumulator row per token (plain stores when one job covers D, fp32
+  atomics when D is split). The program that completes the tile reads them as [TILE_T] vectors and
+  runs r = rsqrt(mean(X'^2) + eps), the sigmoid gates, softmax and exactly the reference's Sinkhorn
+  truncation fully unrolled (n*n vectors; row and column sums are plain additions), and stores
+  pre', post', comb'.
+* The norm's statistic needs the whole row too, so a second, short sweep rescales the parked
+  collapse in place: u = c * rsqrt(mean(c^2) + eps) * w (reads and writes 2D bytes per token,
+  mostly from L2), in [TILE_T, 8192 / TILE_T] blocks.
+* "fresh" pre: the collapse needs pre', known only after the whole row, so it is a second sweep
+  over X' (re-reading 8D per token: the documented cost of V4's non-delayed form), then the rescale.
+
+Variants (one kernel, constexpr switches; `choose_config` picks one per T):
+
+* tiled (`split_cols >= D`): one program per token tile does everything inline; no shared state.
+  Used above SPLIT_MAX_T, where token tiles alone give the GPU enough programs.
+* split (`split_cols < D`): at small T one program per token tile cannot pull fn (2 MB) and the
+  row through one SM fast enough (T=1 with one program is ~20x slower than the floor): D is split
+  into slices, (token tile, slice) stage-A jobs add their partial sums into the tile's accumulator
+  row (atomics) and arrive on the tile's counter; the last arrival computes the coefficients. The
+  rescale (and the fresh collapse) is then done either by that last arrival for the whole tile
+  (`r_splits == 0`) or by `r_splits` epilogue jobs per tile that wait for the tile (spreads it over
+  the GPU: measured faster at every T tried, see `choose_config`).
+
+Forward progress in the split variant with epilogue jobs: jobs are numbered by an atomic counter
+taken at program start (stage-A jobs first, then fresh-collapse jobs, then rescale jobs), and a job
+only ever waits on jobs of earlier stages. When a program holds a waiting job, every job it waits
+on has already been claimed by a running program that itself waits only on earlier ones: no
+deadlock whatever the dispatch order or occupancy (the argument of decoupled look-back scans;
+lowering/mega_gate.py uses it too). A wait is bounded (MAX_SPINS) only against a corrupted sync
+state: it then ends in NaN output, never a hang or a plausible wrong answer.
+
+Numerics: every statistic is fp32 over the rounded values, as in the reference. Projection: with
+bf16 streams X' is exactly bf16, so fn is split into two bf16 pieces (hi + lo: 16 of fp32's 24
+mantissa bits) and two bf16 tensor-core dots accumulate in fp32; measured against the fp32 GEMM
+the coefficients differ by ~1e-7..2e-6 (relative L2, H200), the size of fp32 summation noise. With
+fp32 streams the dot runs 3xTF32 (`input_precision="tf32x3"`). Divisions are Triton's fp32 `/`.
+With D split in more than two slices the fp32 atomics meet in a run-dependent order, so the
+coefficients and u may differ in the last bits between runs (the tiled variant is deterministic).
+The interpreter upcasts bf16 dot operands (numpy has no bf16 matmul) and rounds fp32 -> bf16 to
+nearest even with integer operations (its own cast truncates).
+
+Persistent state and CUDA graphs: the split variant uses, per device, an int32 sync buffer and an
+fp32 accumulator, all zero between launches (the kernel restores that itself), allocated on the
+first split launch on a device (run once eagerly at the largest T, or call `reserve_sync`, before
+capturing a CUDA graph: allocating during a capture raises). Per-call buffers come from
+torch.empty (every element read is written first), so under capture they come from the graph's
+pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new inputs). Split
+launches on two streams of one device must not run concurrently (they share the persistent
+state); stream-ordered use, as Inductor emits, is fine.
+
+Measured (H200, results/bench_mhc.json): CUDA-graph replay 11.2 / 17.6 / 44.6 / 209 us at
+T = 1 / 64 / 512 / 4096 against 62 / 94 / 302 / 1769 us for the same chain under torch.compile.
+Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
+launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import string
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+import triton.language  # noqa: F401  (import Triton before any kernel module: see kernel_cache)
+
+from . import kernel_cache
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PRE_MODES = ("carried", "fresh")
+_keys: dict = {}  # spec -> key(), memoised (the launch path asks for it on every call)
+KERNEL_NAME = "mega_mhc_kernel"
+SYNC_PER_TILE = 4  # arrive A, ready A, arrive C, ready C
+
+
+# ----------------------------------------------------------------------------------------------
+# The spec
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MhcSpec:
+    """Everything the generator specialises on (what a pass binds from one matched seam)."""
+    n: int
+    dim: int
+    sinkhorn_iters: int
+    hc_eps: float
+    stat_eps: float
+    norm_eps: float
+    has_post: bool
+    has_coefficients: bool
+    pre: str
+    stream_dtype: str
+
+    def key(self) -> str:
+        """Short stable hash of the spec and of the generator's template (file names, memo keys)."""
+        key = _keys.get(self)
+        if key is None:
+            fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+            for name in ("hc_eps", "stat_eps", "norm_eps"):
+                fields[name] = float(fields[name]).hex()  # exact, platform-independent float text
+            text = json.dumps(fields, sort_keys=True) + _GENERATOR_FINGERPRINT
+            key = _keys[self] = hashlib.sha1(text.encode()).hexdigest()[:12]
+        return key
+
+    def width(self) -> int:
+        """Rows of fn: [pre n | post n | comb n*n]."""
+        return (2 + self.n) * self.n
+
+    def describe(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(key=self.key(), form=self.form(), width=self.width(), slot=_slot_width(self.n),
+                 outputs=self.outputs(), unsupported=unsupported_reason(self))
+        return d
+
+    def form(self) -> str:
+        if self.pre == "fresh":
+            return "V4 non-delayed (fresh pre)" + ("" if self.has_post else ", no post")
+        if not self.has_coefficients:
+            return "final collapse" if self.has_post else "collapse + norm only"
+        return "delayed seam" if self.has_post else "first / Engram seam (no post)"
+
+    def outputs(self) -> list[str]:
+        """Names of the non-None entries of mega_mhc's result tuple."""
+        out = (["streams"] if self.has_post else []) + ["u"]
+        return out + (["pre", "post", "comb"] if self.has_coefficients else [])
+
+
+def unsupported_reason(spec: MhcSpec) -> str | None:
+    """None if the generator handles `spec`, else a sentence saying why not (for the pass report)."""
+    if not isinstance(spec.n, int) or spec.n not in (2, 4, 8):
+        return (f"{spec.n} residual streams: the kernel holds the [n, n] Sinkhorn block and the n "
+                "streams as register tiles, which needs n in 2, 4, 8")
+    if not isinstance(spec.dim, int) or spec.dim < 1:
+        return f"hidden size {spec.dim!r} must be a positive integer"
+    if spec.stream_dtype not in DTYPES:
+        return f"stream dtype {spec.stream_dtype!r} is not supported (float32 or bfloat16 only)"
+    if spec.pre not in PRE_MODES:
+        return f"pre mode {spec.pre!r} is not one of {', '.join(PRE_MODES)}"
+    if spec.pre == "fresh" and not spec.has_coefficients:
+        return "a fresh pre needs the coefficients of this site (has_coefficients=False)"
+    if spec.has_coefficients and (not isinstance(spec.sinkhorn_iters, int) or not 1 <= spec.sinkhorn_iters <= 1000):
+        return f"{spec.sinkhorn_iters!r} Sinkhorn iterations is outside 1..1000"
+    for name in ("hc_eps", "stat_eps", "norm_eps"):
+        value = getattr(spec, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0.0):
+            return f"{name} {value!r} must be a finite number >= 0"
+    return None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _slot_width(n: int) -> int:
+    """A workspace partial-sums row: (2+n)n projections, sum X'^2, sum c^2; a power of two >= 16
+    (it is also the N of the projection dot)."""
+    return max(16, _next_pow2((2 + n) * n + 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# The generator
+# ----------------------------------------------------------------------------------------------
+
+# The kernel template. `$NAME` placeholders are filled by `generate_source`; everything else is
+# literal Triton. Read a generated file (kernel cache) to see one specialisation in full.
+_TEMPLATE = string.Template('''\
+"""Mega-mHC kernel for spec $KEY, generated by megafuse.lowering.mega_mhc. Do not edit.
+
+spec: $SPEC_LINE
+form: $FORM
+
+For each token t (n = $N streams of D = $D, stream dtype $DTYPE_NAME):
+$MATH_DOC
+
+Jobs (see mega_mhc_kernel):
+    tiled  (N_SPLITS == 1)   one program per token tile does everything inline
+    split  (N_SPLITS > 1)    stage A per (token tile, D slice), partial sums added (atomics) into
+                             the tile's row of the accumulator; the last arrival of a tile reads
+                             them (coefficients, norm statistic); the rescale (and a fresh
+                             collapse) by that last arrival (R_SPLITS == 0) or by epilogue jobs
+                             that wait for the tile (R_SPLITS > 0)
+"""
+import os
+
+import triton
+import triton.language as tl
+
+$CONSTANTS
+
+# sync buffer (int32, all zero between launches; the split variant restores that itself)
+JOB_COUNTER = tl.constexpr(0)         # next job number (epilogue-job mode)
+DONE_COUNTER = tl.constexpr(1)        # finished jobs (epilogue-job mode)
+TILE_SYNC = tl.constexpr(2)           # then 4 per token tile:
+ARRIVE_A = tl.constexpr(0)            #   stage-A jobs arrived
+READY_A = tl.constexpr(1)             #   tile merged: coefficients stored, (carried) 1/rms published
+ARRIVE_C = tl.constexpr(2)            #   fresh-collapse jobs arrived
+READY_C = tl.constexpr(3)             #   (fresh) 1/rms published
+
+# Reductions go through tl.reduce with these combiners, and tl.full stands in for tl.zeros:
+# tl.sum / tl.max / tl.zeros / tl.sigmoid are @triton.jit library functions whose mode
+# (interpreter or compiler) was fixed when Triton was first imported, while this module is loaded
+# once per mode (see megafuse.lowering.kernel_cache). Builtins work in both.
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+# The interpreter reduces with numpy only for Triton's own combiners (by identity) and calls any
+# other combiner once per element; this module is imported once per mode, so pick per import.
+if os.environ.get("TRITON_INTERPRET") == "1" and hasattr(tl.standard, "_sum_combine"):
+    _add = tl.standard._sum_combine
+
+
+@triton.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _round(x, INTERPRETED: tl.constexpr):
+    """fp32 -> the stream dtype, rounding to nearest even like torch's .to(). The interpreter's own
+    fp32 -> bf16 cast truncates, so there the rounding is spelled out in integer operations."""
+    if IS_BF16:
+        if INTERPRETED:
+            bits = x.to(tl.int32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536  # RNE onto the top 16 bits
+            rounded = bits.to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact now
+        else:
+            rounded = x.to(tl.bfloat16)  # cvt.rn
+    else:
+        rounded = x
+    return rounded
+
+
+@triton.jit
+def _opaque(x, INTERPRETED: tl.constexpr):
+    """x itself, through an opaque (impure) register move. Without it the compiler recomputes the
+    whole X' chain (loads, post + comb mix) a second time in the dot's operand layout, which
+    doubles the registers and spills; with it X' is computed once and converted once."""
+    if INTERPRETED:
+        y = x
+    else:
+        if IS_BF16:
+            y = tl.inline_asm_elementwise("mov.b32 $$0, $$1;", "=r,r", [x], dtype=tl.bfloat16,
+                                          is_pure=False, pack=2)
+        else:
+            y = tl.inline_asm_elementwise("mov.b32 $$0, $$1;", "=r,r", [x], dtype=tl.float32,
+                                          is_pure=False, pack=1)
+    return y
+
+
+@triton.jit
+def _project(acc, xs, w, INTERPRETED: tl.constexpr):
+    """acc [TILE_T, SLOT] += xs [TILE_T, BLOCK_D] @ w [BLOCK_D, SLOT] (one stream's chunk against
+    the matching block of fn^T, fp32 accumulate)."""
+$DOT_LINES
+    return acc
+
+
+@triton.jit
+def _load_chunk(x_ptr, y_ptr, fn_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk, c_end,
+                BLOCK_D: tl.constexpr):
+    """The raw inputs of one chunk of D ($LOAD_DOC).
+    Past the job's last chunk (chunk >= c_end) everything is masked: nothing is read."""
+    d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+    live = (d * 0 + chunk) < c_end  # [BLOCK_D], all equal (a tensor in both Triton modes)
+    ok = row_ok[:, None] & ((d < D) & live)[None, :]
+    x_ptrs = x_ptr + rows64[:, None] * stride_xt + d[None, :]
+$LOAD_LINES
+
+
+@triton.jit
+def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, xo_ptr, u_ptr, acc_ptr,
+             T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
+             tile, c_begin, c_end, TILE_T: tl.constexpr, BLOCK_D: tl.constexpr,
+             ATOMIC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Stage A for token tile `tile` over chunks [c_begin, c_end) of D: store X' (and the parked,
+    unnormalised carried collapse), and add the partial sums into the tile's accumulator row
+    [TILE_T, SLOT]: the (2+n)n projections, sum X'^2 (SUMSQ_COL), sum c^2 (CSQ_COL); with atomics
+    when D is split (ATOMIC), else with plain stores.
+
+    Every stream is its own [TILE_T, BLOCK_D] tile (the generator unrolls the n streams), so all
+    the arithmetic is elementwise in one register layout. The next chunk's inputs are loaded
+    before this chunk is computed (register double-buffering: the loads' latency overlaps the
+    arithmetic and the stores). Loops run over chunk numbers: every chunk starts at a known
+    multiple of BLOCK_D (aligned, vectorised accesses), and the only partial chunk is D's last
+    (masks against constexpr D)."""
+    rows = tile * TILE_T + tl.arange(0, TILE_T)
+    row_ok = rows < T  # tokens past T load zeros and are never stored
+    rows64 = rows.to(tl.int64)
+    if HAS_POST:
+        # per-token scalars as [TILE_T] columns: post_j = post[t, j], comb_i_j = comb[t, i, j]
+$POST_LOADS
+    if not FRESH:
+$PRE_LOADS
+    acc = tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32)
+    sumsq = tl.full([TILE_T], 0.0, dtype=tl.float32)
+    csq = tl.full([TILE_T], 0.0, dtype=tl.float32)
+    $NEXT_NAMES = _load_chunk(
+        x_ptr, y_ptr, fn_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, c_begin, c_end, BLOCK_D)
+    for chunk in range(c_begin, c_end):
+        $CUR_NAMES = $NEXT_NAMES
+        $NEXT_NAMES = _load_chunk(
+            x_ptr, y_ptr, fn_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk + 1, c_end, BLOCK_D)
+        d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+        ok = row_ok[:, None] & (d < D)[None, :]  # [TILE_T, BLOCK_D]
+        if HAS_POST:
+$POST_LINES
+        # every later step reads the rounded X', like the reference
+$F32_LINES
+        if HAS_COEFFS:
+            sumsq += tl.reduce($SUMSQ_EXPR, 1, _add)
+$PROJECT_LINES
+        if not FRESH:
+            # hc_pre with the carried pre, rounded like the reference; parked in u until the
+            # norm's statistic (the whole row) is known
+            collapsed = _round($COLLAPSE_EXPR, INTERPRETED)
+            tl.store(u_ptr + rows64[:, None] * D + d[None, :], collapsed, mask=ok)
+            cf = collapsed.to(tl.float32)
+            csq += tl.reduce(cf * cf, 1, _add)
+    cols = tl.arange(0, SLOT)[None, :]
+    part = tl.where(cols == SUMSQ_COL, sumsq[:, None], tl.where(cols == CSQ_COL, csq[:, None], acc))
+    offs = rows64[:, None] * SLOT + cols
+    if ATOMIC:
+        # relaxed: the tile's arrival (a release) publishes them
+        tl.atomic_add(acc_ptr + offs, part, mask=row_ok[:, None] & (cols <= CSQ_COL), sem="relaxed")
+    else:
+        tl.store(acc_ptr + offs, part, mask=row_ok[:, None])
+
+
+@triton.jit
+def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, T, tile,
+                 TILE_T: tl.constexpr, CLEAR: tl.constexpr):
+    """From the tile's full-row sums (its accumulator row): compute and store the coefficients,
+    one [TILE_T] vector per coefficient (the generator unrolls n, n and n*n of them; Sinkhorn's
+    row and column sums are then plain additions). CLEAR: zero the row again for the next launch.
+    Returns 1/rms of the carried collapse [TILE_T]."""
+    rows = tile * TILE_T + tl.arange(0, TILE_T)
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)
+    sums = acc_ptr + rows64 * SLOT  # .cg below: read at L2, where every job's atomics landed
+    csq = tl.load(sums + CSQ_COL, mask=row_ok, other=0.0, cache_modifier=".cg")
+    inv_c = tl.rsqrt(csq / D + NORM_EPS)  # carried collapse: rms_normalize's 1/rms
+    if HAS_COEFFS:
+        # r scales the projection instead of the input: one scalar per token, over all n*D values
+        r = tl.rsqrt(tl.load(sums + SUMSQ_COL, mask=row_ok, other=0.0, cache_modifier=".cg") / ND + STAT_EPS)
+        s_pre = tl.load(scale_ptr)
+        s_post = tl.load(scale_ptr + 1)
+        s_comb = tl.load(scale_ptr + 2)
+$COEFF_LINES
+    if CLEAR:
+        tl.debug_barrier()  # every thread's reads of the row come first
+        cols = tl.arange(0, SLOT)[None, :]
+        tl.store(acc_ptr + rows64[:, None] * SLOT + cols, tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32),
+                 mask=row_ok[:, None])
+    return inv_c
+
+
+@triton.jit
+def _collapse(x_ptr, xo_ptr, u_ptr, pre_ptr, T, stride_xt, stride_xk, tile, c_begin, c_end,
+              TILE_T: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Fresh pre: c = hc_pre(X', pre') over chunks [c_begin, c_end), rounded and parked in u (a
+    second sweep over X', which this launch wrote). Returns sum(c^2) over those columns."""
+    rows = tile * TILE_T + tl.arange(0, TILE_T)
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)
+    # pre' (stored by this tile's merge) as [TILE_T] columns
+$FRESH_PRE_LINES
+    csq = tl.full([TILE_T], 0.0, dtype=tl.float32)
+    for chunk in range(c_begin, c_end):
+        d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+        ok = row_ok[:, None] & (d < D)[None, :]
+        if HAS_POST:
+            x_ptrs = xo_ptr + rows64[:, None] * ND + d[None, :]
+$FRESH_XO_LINES
+        else:
+            x_ptrs = x_ptr + rows64[:, None] * stride_xt + d[None, :]
+$FRESH_X_LINES
+$F32_LINES
+        collapsed = _round($COLLAPSE_EXPR, INTERPRETED)
+        tl.store(u_ptr + rows64[:, None] * D + d[None, :], collapsed, mask=ok)
+        cf = collapsed.to(tl.float32)
+        csq += tl.reduce(cf * cf, 1, _add)
+    return csq
+
+
+@triton.jit
+def _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin, b_end, TILE_T: tl.constexpr,
+             R_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """u = (c * 1/rms) * norm_weight, in place on the parked collapse, over column blocks
+    [b_begin, b_end) of R_BLOCK (wider than the sweep's chunks: this loop only streams)."""
+    rows = tile * TILE_T + tl.arange(0, TILE_T)
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)
+    for b in range(b_begin, b_end):
+        d = b * R_BLOCK + tl.arange(0, R_BLOCK)
+        d_ok = d < D
+        ok = row_ok[:, None] & d_ok[None, :]
+        ptrs = u_ptr + rows64[:, None] * D + d[None, :]
+        collapsed = tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        w = tl.load(w_ptr + d, mask=d_ok, other=0.0)
+        tl.store(ptrs, _round(collapsed * inv_c[:, None] * w[None, :], INTERPRETED), mask=ok)
+
+
+@triton.jit
+def _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
+                   combo_ptr, T, stride_xt, stride_xk, tile, TILE_T: tl.constexpr,
+                   BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr, R_BLOCK: tl.constexpr,
+                   CLEAR: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Everything after stage A for one whole token tile, by one program."""
+    tl.debug_barrier()  # this program's accumulator stores before its reloads
+    inv_c = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, T, tile, TILE_T, CLEAR)
+    if FRESH:
+        tl.debug_barrier()  # pre' (and this tile's X') before the collapse reads them
+        csq = _collapse(x_ptr, xo_ptr, u_ptr, pre_ptr, T, stride_xt, stride_xk, tile, 0, N_CHUNKS,
+                        TILE_T, BLOCK_D, INTERPRETED)
+        inv_c = tl.rsqrt(csq / D + NORM_EPS)
+    tl.debug_barrier()  # the parked collapse (stored by every thread) before its reloads
+    _rescale(u_ptr, w_ptr, T, tile, inv_c, 0, (D + R_BLOCK - 1) // R_BLOCK, TILE_T, R_BLOCK, INTERPRETED)
+
+
+@triton.jit
+def _arrive(counter_ptr):
+    """Publish this program's writes (CTA barrier, then one acq_rel atomic at GPU scope, which is
+    cumulative over what the barrier ordered) and return the arrival ticket. Acquire too: the last
+    arrival goes on to read everyone's partial sums."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+
+
+@triton.jit
+def _wait(flag_ptr, MAX_SPINS: tl.constexpr):
+    """Spin (acquire) until the flag is set; True if it never was (corrupted sync state)."""
+    flag = tl.atomic_add(flag_ptr, 0, sem="acquire")
+    spins = 0
+    while (flag == 0) & (spins < MAX_SPINS):
+        flag = tl.atomic_add(flag_ptr, 0, sem="acquire")
+        spins += 1
+    return flag == 0
+
+
+@triton.jit(do_not_specialize=["T", "n_tiles"])  # one binary for every T
+def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
+                    xo_ptr, u_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, ws_ptr, sync_ptr,
+                    T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre, n_tiles,
+                    TILE_T: tl.constexpr, BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr,
+                    SPLIT_CHUNKS: tl.constexpr, N_SPLITS: tl.constexpr, R_BLOCK: tl.constexpr,
+                    R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr,
+                    MAX_SPINS: tl.constexpr):
+    """Grid (1-D); D is N_CHUNKS chunks of BLOCK_D, a stage-A job takes SPLIT_CHUNKS of them.
+
+    tiled        (N_SPLITS == 1)                 n_tiles programs, job = program id
+    last arrival (N_SPLITS > 1, R_SPLITS == 0)   n_tiles * N_SPLITS programs, job = program id
+    epilogue jobs (N_SPLITS > 1, R_SPLITS > 0)   n_tiles * N_SPLITS stage-A jobs, (fresh)
+        n_tiles * N_SPLITS collapse jobs, n_tiles * R_SPLITS rescale jobs of R_PER_JOB blocks of
+        R_BLOCK columns, claimed in start order (see "forward progress" in megafuse.lowering.mega_mhc)
+
+    acc_ptr: [n_tiles * TILE_T, SLOT] partial sums (split: persistent, all zero between launches);
+    ws_ptr: 1/rms per token [n_tiles * TILE_T] (epilogue-job mode).
+    """
+    if N_SPLITS == 1:
+        # tiled: one program per token tile, nothing shared
+        tile = tl.program_id(0)
+        _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, xo_ptr, u_ptr, acc_ptr,
+                 T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
+                 tile, 0, N_CHUNKS, TILE_T, BLOCK_D, False, INTERPRETED)
+        _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
+                       combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
+                       False, INTERPRETED)
+    elif R_SPLITS == 0:
+        # split, the last arrival finishes the tile: nothing ever waits, so program ids are job ids
+        job = tl.program_id(0)
+        tile = job // N_SPLITS
+        c_begin = (job % N_SPLITS) * SPLIT_CHUNKS
+        _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, xo_ptr, u_ptr, acc_ptr,
+                 T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
+                 tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D, True,
+                 INTERPRETED)
+        arrive_a = sync_ptr + TILE_SYNC + tile * 4 + ARRIVE_A
+        if _arrive(arrive_a) == N_SPLITS - 1:
+            _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
+                           combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
+                           True, INTERPRETED)
+            tl.atomic_xchg(arrive_a, 0, sem="relaxed")  # every arrival of this tile is in
+    else:
+        # split with epilogue jobs, claimed in start order (see "forward progress")
+        job = tl.atomic_add(sync_ptr + JOB_COUNTER, 1, sem="relaxed")
+        n_a = n_tiles * N_SPLITS
+        n_c = n_a if FRESH else 0
+        n_jobs = n_a + n_c + n_tiles * R_SPLITS
+        inv_ws = ws_ptr
+        if job < n_a:
+            tile = job // N_SPLITS
+            sync = sync_ptr + TILE_SYNC + tile * 4
+            c_begin = (job % N_SPLITS) * SPLIT_CHUNKS
+            _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, xo_ptr, u_ptr, acc_ptr,
+                     T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
+                     tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D,
+                     True, INTERPRETED)
+            if _arrive(sync + ARRIVE_A) == N_SPLITS - 1:
+                inv_c = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, T, tile,
+                                     TILE_T, True)
+                if not FRESH:
+                    tl.store(inv_ws + tile * TILE_T + tl.arange(0, TILE_T), inv_c)
+                tl.debug_barrier()
+                tl.atomic_xchg(sync + READY_A, 1, sem="release")
+        elif job < n_a + n_c:
+            # fresh: collapse this slice with pre' (stored by the tile's merge); sum(c^2) by atomics
+            tile = (job - n_a) // N_SPLITS
+            split = (job - n_a) % N_SPLITS
+            sync = sync_ptr + TILE_SYNC + tile * 4
+            failed = _wait(sync + READY_A, MAX_SPINS)
+            c_begin = split * SPLIT_CHUNKS
+            csq = _collapse(x_ptr, xo_ptr, u_ptr, pre_ptr, T, stride_xt, stride_xk, tile, c_begin,
+                            tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D, INTERPRETED)
+            csq = tl.where(failed, float("nan"), csq)
+            rows = tile * TILE_T + tl.arange(0, TILE_T)
+            csq_ptrs = acc_ptr + rows.to(tl.int64) * SLOT + CSQ_COL
+            tl.atomic_add(csq_ptrs, csq, mask=rows < T, sem="relaxed")
+            if _arrive(sync + ARRIVE_C) == N_SPLITS - 1:
+                total = tl.load(csq_ptrs, mask=rows < T, other=0.0, cache_modifier=".cg")
+                tl.store(inv_ws + tile * TILE_T + tl.arange(0, TILE_T), tl.rsqrt(total / D + NORM_EPS))
+                tl.debug_barrier()
+                tl.store(csq_ptrs, tl.full([TILE_T], 0.0, dtype=tl.float32), mask=rows < T)  # for the next launch
+                tl.atomic_xchg(sync + READY_C, 1, sem="release")
+        elif job < n_jobs:  # (never false unless the sync state was corrupted)
+            tile = (job - n_a - n_c) // R_SPLITS
+            b_begin = ((job - n_a - n_c) % R_SPLITS) * R_PER_JOB
+            sync = sync_ptr + TILE_SYNC + tile * 4
+            if FRESH:
+                failed = _wait(sync + READY_C, MAX_SPINS)
+            else:
+                failed = _wait(sync + READY_A, MAX_SPINS)
+            inv_c = tl.load(inv_ws + tile * TILE_T + tl.arange(0, TILE_T), cache_modifier=".cg")
+            inv_c = tl.where(failed, float("nan"), inv_c)
+            _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin,
+                     tl.minimum(b_begin + R_PER_JOB, (D + R_BLOCK - 1) // R_BLOCK), TILE_T, R_BLOCK,
+                     INTERPRETED)
+        # The last job to finish restores the all-zero sync state: every job number has been
+        # claimed and every wait of this launch is over.
+        if _arrive(sync_ptr + DONE_COUNTER) == n_jobs - 1:
+            for i in range(0, n_tiles * 4, 1024):
+                offs = i + tl.arange(0, 1024)
+                tl.store(sync_ptr + TILE_SYNC + offs, tl.full([1024], 0, dtype=tl.int32),
+                         mask=offs < n_tiles * 4)
+            tl.atomic_xchg(sync_ptr + JOB_COUNTER, 0, sem="relaxed")
+            tl.atomic_xchg(sync_ptr + DONE_COUNTER, 0, sem="relaxed")
+''')
+
+# The projection's dot, per stream dtype.
+_DOT_BF16 = '''\
+    # X' is exactly bf16 and fn is fp32: split fn into two bf16 pieces, hi + lo (16 of fp32's 24
+    # mantissa bits: per-element relative error <= 2^-17), and run two bf16 tensor-core dots with
+    # fp32 accumulation. The coefficients then differ from an fp32 GEMM by ~1e-7 (fp32 summation
+    # noise); a third piece would make fn exact but costs registers the sweep needs.
+    hi = w.to(tl.bfloat16)
+    lo = (w - hi.to(tl.float32)).to(tl.bfloat16)  # the rounding residual is exact in fp32
+    if INTERPRETED:  # numpy cannot multiply bf16; bf16 values are exact in fp32
+        xs32 = xs.to(tl.float32)
+        acc = tl.dot(xs32, hi.to(tl.float32), acc)
+        acc = tl.dot(xs32, lo.to(tl.float32), acc)
+    else:
+        acc = tl.dot(xs, hi, acc)
+        acc = tl.dot(xs, lo, acc)'''
+
+_DOT_FP32 = '''\
+    # fp32 x fp32 on tensor cores with 3xTF32 (big*big + big*small + small*big): fp32-level accuracy
+    acc = tl.dot(xs, w, acc, input_precision="tf32x3")'''
+
+_GENERATOR_FINGERPRINT = hashlib.sha1(
+    (_TEMPLATE.template + _DOT_BF16 + _DOT_FP32 + "gen-v2").encode()).hexdigest()
+
+
+def _fmt_float(x: float) -> str:
+    """A Python literal that round-trips to the same float (repr is exact for Python floats)."""
+    return repr(float(x))
+
+
+def _constants(spec: MhcSpec) -> str:
+    width = spec.width()
+    rows = [
+        ("N", spec.n, "residual streams"),
+        ("D", spec.dim, "hidden size"),
+        ("ND", spec.n * spec.dim, "n*D: the width of the coefficient statistic and of fn's rows"),
+        ("WIDTH", width, "(2+n)n rows of fn: [pre n | post n | comb n*n]"),
+        ("SLOT", _slot_width(spec.n), "accumulator row / projection width: power of two >= WIDTH + 2"),
+        ("SUMSQ_COL", width, "accumulator column: sum of X'^2 (all streams)"),
+        ("CSQ_COL", width + 1, "accumulator column: sum of c^2"),
+        ("SINKHORN_ITERS", spec.sinkhorn_iters, ""),
+        ("HC_EPS", _fmt_float(spec.hc_eps), ""),
+        ("STAT_EPS", _fmt_float(spec.stat_eps), "eps of the coefficient statistic mean(X'^2)"),
+        ("NORM_EPS", _fmt_float(spec.norm_eps), "eps of the sublayer RMSNorm"),
+        ("HAS_POST", spec.has_post, "apply the previous sublayer's post (else X' = X)"),
+        ("HAS_COEFFS", spec.has_coefficients, "compute pre', post', comb' of the next site"),
+        ("FRESH", spec.pre == "fresh", "collapse with pre' (V4) instead of the carried pre (V4.1)"),
+        ("IS_BF16", spec.stream_dtype == "bfloat16", "stream dtype bf16 (else fp32)"),
+    ]
+    lines = []
+    for name, value, comment in rows:
+        code = f"{name} = tl.constexpr({value})"
+        lines.append(f"{code:<36}# {comment}" if comment else code)
+    return "\n".join(lines)
+
+
+def _coefficient_lines(spec: MhcSpec) -> list[str]:
+    """The unrolled coefficient maths on [TILE_T] vectors (inside `if HAS_COEFFS:` of _finish_tile)."""
+    n = spec.n
+    ks = range(n)
+    out = ["# gates: pre' = sigmoid(m * r * scale0 + base) + eps, post' = 2 sigmoid(m * r * scale1 + base)"]
+    for k in ks:
+        out.append(f"m = tl.load(sums + {k}, mask=row_ok, other=0.0, cache_modifier=\".cg\")")
+        out.append(f"tl.store(pre_ptr + rows64 * N + {k}, _sigmoid(m * r * s_pre + tl.load(base_ptr + {k})) + HC_EPS, "
+                   f"mask=row_ok)")
+    for k in ks:
+        out.append(f"m = tl.load(sums + {n + k}, mask=row_ok, other=0.0, cache_modifier=\".cg\")")
+        out.append(f"tl.store(posto_ptr + rows64 * N + {k}, 2.0 * _sigmoid(m * r * s_post + tl.load(base_ptr + {n + k})), "
+                   f"mask=row_ok)")
+    out.append("# comb logits c_i_j, then Sinkhorn exactly as the reference truncates it: softmax over j")
+    out.append("# (+eps), divide by column sums (+eps), then SINKHORN_ITERS-1 rounds of (rows, columns)")
+    for i in ks:
+        for j in ks:
+            c = 2 * n + i * n + j
+            out.append(f"c_{i}_{j} = tl.load(sums + {c}, mask=row_ok, other=0.0, cache_modifier=\".cg\") * r * s_comb "
+                       f"+ tl.load(base_ptr + {c})")
+    for i in ks:
+        row = [f"c_{i}_{j}" for j in ks]
+        out.append(f"mx = {_max_expr(row)}")
+        for j in ks:
+            out.append(f"c_{i}_{j} = tl.exp(c_{i}_{j} - mx)")
+        out.append(f"s = {' + '.join(row)}")
+        for j in ks:
+            out.append(f"c_{i}_{j} = c_{i}_{j} / s + HC_EPS")
+    out += _normalise_lines(n, "col", 0)
+    out.append("for _ in range(SINKHORN_ITERS - 1):")
+    out += _normalise_lines(n, "row", 4)
+    out += _normalise_lines(n, "col", 4)
+    for i in ks:
+        for j in ks:
+            out.append(f"tl.store(combo_ptr + rows64 * (N * N) + {i * n + j}, c_{i}_{j}, mask=row_ok)")
+    return out
+
+
+def _max_expr(names: list[str]) -> str:
+    expr = names[0]
+    for name in names[1:]:
+        expr = f"tl.maximum({expr}, {name})"
+    return expr
+
+
+def _normalise_lines(n: int, axis: str, indent: int) -> list[str]:
+    """comb / (sum over the other index + eps): `row` sums over j, `col` over i."""
+    pad = " " * indent
+    out = []
+    for a in range(n):
+        cells = [f"c_{a}_{b}" if axis == "row" else f"c_{b}_{a}" for b in range(n)]
+        out.append(f"{pad}s = {' + '.join(cells)} + HC_EPS")
+        for cell in cells:
+            out.append(f"{pad}{cell} = {cell} / s")
+    return out
+
+
+def generate_source(spec: MhcSpec) -> str:
+    """The Triton module for `spec` (raises ValueError for an unsupported spec)."""
+    reason = unsupported_reason(spec)
+    if reason:
+        raise ValueError(f"mega_mhc cannot generate this spec: {reason}")
+    n = spec.n
+    streams = range(n)
+    lines = {}
+
+    def block(name, indent, rows):
+        lines[name] = "\n".join(" " * indent + r for r in rows)
+
+    def step(k, stride):  # pointer offset of stream k
+        return "" if k == 0 else f" + {k} * {stride}"
+
+    # what _load_chunk returns, and the loop's current / next names for it
+    loaded = (["y"] if spec.has_post else []) + [f"x_{k}" for k in streams] \
+        + ([f"w_{k}" for k in streams] if spec.has_coefficients else [])
+    load = []
+    if spec.has_post:
+        load.append("y = tl.load(y_ptr + rows64[:, None] * stride_yt + d[None, :], mask=ok, other=0.0)")
+    load += [f"x_{k} = tl.load(x_ptrs{step(k, 'stride_xk')}, mask=ok, other=0.0)" for k in streams]
+    if spec.has_coefficients:
+        load.append("# fn^T's block for each stream: rows d of stream k, columns 0..SLOT (past WIDTH: zeros)")
+        load.append("fcols = tl.arange(0, SLOT)")
+        load.append("f_ok = ((d < D) & live)[:, None] & (fcols < WIDTH)[None, :]")
+        load += [f"w_{k} = tl.load(fn_ptr + fcols[None, :].to(tl.int64) * ND + (d + {k} * D)[:, None], "
+                 f"mask=f_ok, other=0.0)" for k in streams]
+    load.append("return " + ", ".join(loaded))
+    block("LOAD_LINES", 4, load)
+    lines["LOAD_DOC"] = ", ".join(
+        (["y"] if spec.has_post else []) + ["the n streams"] + (["fn^T's block per stream"] if spec.has_coefficients else []))
+    lines["CUR_NAMES"] = ", ".join(loaded)
+    lines["NEXT_NAMES"] = ", ".join(f"{name}_n" for name in loaded)
+
+    block("POST_LOADS", 8,
+          [f"post_{j} = tl.load(post_ptr + rows64 * stride_post + {j}, mask=row_ok, other=0.0)" for j in streams]
+          + [f"comb_{i}_{j} = tl.load(comb_ptr + rows64 * stride_comb + {i * n + j}, mask=row_ok, other=0.0)"
+             for i in streams for j in streams])
+    block("PRE_LOADS", 8,
+          [f"pre_{k} = tl.load(cpre_ptr + rows64 * stride_cpre + {k}, mask=row_ok, other=0.0)" for k in streams])
+    post = ["yf = y.to(tl.float32)"] + [f"xf_{i} = x_{i}.to(tl.float32)" for i in streams]
+    post.append("# mHC post: X'[j] = post[j] * y + sum_i comb[i, j] X[i] (C^T X: the sum runs over comb's")
+    post.append("# first index), in fp32, rounded to the stream dtype and stored")
+    for j in streams:
+        mix = " + ".join(f"comb_{i}_{j}[:, None] * xf_{i}" for i in streams)
+        post.append(f"x_{j} = _round(post_{j}[:, None] * yf + ({mix}), INTERPRETED)")
+    for j in streams:
+        post.append(f"tl.store(xo_ptr + rows64[:, None] * ND + ({j} * D) + d[None, :], x_{j}, mask=ok)")
+    block("POST_LINES", 12, post)
+    block("F32_LINES", 8, [f"xf_{k} = x_{k}.to(tl.float32)" for k in streams])
+    block("PROJECT_LINES", 12,
+          [f"acc = _project(acc, _opaque(x_{k}, INTERPRETED), w_{k}, INTERPRETED)" for k in streams])
+    block("FRESH_PRE_LINES", 4,
+          [f"pre_{k} = tl.load(pre_ptr + rows64 * N + {k}, mask=row_ok, other=0.0, cache_modifier=\".cg\")"
+           for k in streams])
+    block("FRESH_XO_LINES", 12,
+          [f"x_{k} = tl.load(x_ptrs{step(k, 'D')}, mask=ok, other=0.0, cache_modifier=\".cg\")" for k in streams])
+    block("FRESH_X_LINES", 12,
+          [f"x_{k} = tl.load(x_ptrs{step(k, 'stride_xk')}, mask=ok, other=0.0)" for k in streams])
+    block("COEFF_LINES", 8, _coefficient_lines(spec))
+    lines["SUMSQ_EXPR"] = " + ".join(f"xf_{k} * xf_{k}" for k in streams)
+    lines["COLLAPSE_EXPR"] = " + ".join(f"pre_{k}[:, None] * xf_{k}" for k in streams)
+
+    math_doc = []
+    if spec.has_post:
+        math_doc.append("    X'    = (post[j] * y + sum_i comb[i, j] X[i]) in fp32, rounded          (stored)")
+    else:
+        math_doc.append("    X'    = X                                         (no post: not stored)")
+    if spec.has_coefficients:
+        math_doc += [
+            f"    r     = rsqrt(mean(X'^2 over n*D) + {_fmt_float(spec.stat_eps)})",
+            "    m     = (X' . fn^T) * r = [m_pre | m_post | m_comb]",
+            f"    pre'  = sigmoid(m_pre * scale0 + base_pre) + {_fmt_float(spec.hc_eps)}             (stored)",
+            "    post' = 2 * sigmoid(m_post * scale1 + base_post)                   (stored)",
+            f"    comb' = Sinkhorn(m_comb * scale2 + base_comb), {spec.sinkhorn_iters} iterations      (stored)"]
+    p = "pre'" if spec.pre == "fresh" else "the carried pre"
+    math_doc += [
+        f"    c     = sum_k p[k] X'[k] in fp32, rounded, with p = {p}",
+        f"    u     = c * rsqrt(mean(c^2) + {_fmt_float(spec.norm_eps)}) * norm_weight, rounded        (stored)"]
+    spec_line = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(spec).items())
+    return _TEMPLATE.substitute(
+        KEY=spec.key(), SPEC_LINE=spec_line, FORM=spec.form(), N=n, D=spec.dim,
+        DTYPE_NAME=spec.stream_dtype, MATH_DOC="\n".join(math_doc), CONSTANTS=_constants(spec),
+        DOT_LINES=_DOT_BF16 if spec.stream_dtype == "bfloat16" else _DOT_FP32, **lines)
+
+
+def kernel_name(spec: MhcSpec) -> str:
+    """The cache file stem: content-addressed by the spec and the generator's template."""
+    return f"mega_mhc_{spec.key()}"
+
+
+def source_path(spec: MhcSpec):
+    """Write (if needed) and return the cached source file of `spec`."""
+    return kernel_cache.write_source(kernel_name(spec), generate_source(spec))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configuration
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tiling of one launch.
+
+    tile_t       tokens per program (a power of two >= 16: the M of the projection dot)
+    block_d      columns per chunk of the sweep (a power of two >= 16: the K of the dot); every
+                 stream's chunk is a [tile_t, block_d] register tile
+    split_cols   columns of D per stage-A job (a multiple of block_d); >= D is the tiled variant
+    r_splits     split variant: rescale jobs per token tile; 0 = the tile's last arrival rescales
+    """
+    tile_t: int
+    block_d: int
+    split_cols: int
+    r_splits: int = 0
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def variant(self, dim: int) -> str:
+        return "tiled" if self.split_cols >= dim else "split"
+
+
+# CUDA launch table: the fastest correct configuration of tools/bench_mhc.py --sweep on one H200
+# (D=5120, n=4, bf16 streams, delayed seam, CUDA-graph replay; results/bench_mhc.json "sweep").
+# Rows: (max T, tile_t, block_d, split_cols, r_splits, warps).
+#   T=1    160 one-chunk stage-A jobs + 10 rescale jobs   11.3 us (last arrival rescaling: 13.2 us)
+#   T=64   4 tiles x 40 slices + 10 rescale jobs a tile   17.1 us (32-token tiles: 24.5 us)
+#   T=512  32 tiles x 10 slices + 5 rescale jobs a tile   44.8 us (32/64-token tiles: 65-79 us)
+# Above SPLIT_MAX_T the tiled variant (one 16-token tile per program, 256 programs at T=4096:
+# 209 us, against 271 us for 64-token tiles split in two). 16-token tiles win everywhere: with
+# ~240 registers a thread, two 4-warp programs share an SM, and more, smaller programs hide the
+# sweep's memory latency better than larger tiles amortise fn. The threshold 2048 is where the
+# tiled variant reaches one program per SM (128 at T=2048); between 512 and 4096 it is not measured.
+SPLIT_MAX_T = 2048
+_CUDA_TABLE = (
+    (16, 16, 32, 32, 16, 4),
+    (128, 16, 64, 128, 32, 4),
+    (SPLIT_MAX_T, 16, 32, 512, 8, 4),
+)
+_CUDA_TILED = (16, 64, 4)  # tile_t, block_d, warps above SPLIT_MAX_T
+
+
+def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = "cuda",
+                  variant: str | None = None) -> LaunchConfig:
+    """The launch configuration for `n_tokens` tokens (the variant from T unless forced).
+
+    CUDA: `split` for T <= SPLIT_MAX_T, `tiled` above, from the table above (tuned at D=5120; for
+    other D the same column counts per job apply, and a D too small to split gets 16-column slices).
+    CPU (the interpreter): few, large programs, since every interpreted op costs about the same.
+    """
+    if variant not in (None, "split", "tiled"):
+        raise ValueError(f"variant must be 'split', 'tiled' or None, not {variant!r}")
+    device = torch.device(device)
+    D = spec.dim
+    if device.type != "cuda":
+        block_d = min(64, max(16, _next_pow2(D) // 4))
+        if variant is None:
+            variant = "tiled"
+        if variant == "tiled":
+            return LaunchConfig(16, block_d, _round_up(D, block_d))
+        split_cols = _round_up(-(-D // 2), block_d)
+        if split_cols >= D:  # too small to halve at this block: one 16-column block per slice
+            block_d = split_cols = 16
+        return LaunchConfig(16, block_d, split_cols, r_splits=0)
+    if variant is None:
+        variant = "split" if n_tokens <= SPLIT_MAX_T else "tiled"
+    if variant == "tiled":
+        tile_t, block_d, warps = _CUDA_TILED
+        return LaunchConfig(tile_t, block_d, _round_up(D, block_d), num_warps=warps)
+    row = next((r for r in _CUDA_TABLE if n_tokens <= r[0]), _CUDA_TABLE[-1])
+    _, tile_t, block_d, split_cols, r_splits, warps = row
+    if split_cols >= D:  # D too small to split at these sizes: 16-column slices
+        block_d = split_cols = 16
+    return LaunchConfig(tile_t, block_d, split_cols, r_splits, num_warps=warps)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ----------------------------------------------------------------------------------------------
+# Persistent sync state (per device)
+# ----------------------------------------------------------------------------------------------
+
+class _DeviceState:
+    """The split variant's persistent buffers on one device, all zero between launches (the kernel
+    restores that itself): the int32 sync buffer and the fp32 accumulator of partial sums. They only
+    grow; an outgrown buffer is kept alive (`retired`): a captured graph may point at it."""
+
+    def __init__(self):
+        self.sync = None
+        self.acc = None
+        self.retired = []
+
+
+_states: dict[str, _DeviceState] = {}
+_state_lock = threading.Lock()
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return str(device)
+
+
+def _grow(st: _DeviceState, name: str, need: int, minimum: int, dtype, device) -> torch.Tensor:
+    buf = getattr(st, name)
+    if buf is None or buf.numel() < need:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"mega_mhc needs to allocate its persistent {name} buffer during CUDA graph capture; "
+                "run mega_mhc once eagerly at the largest token count (or call reserve_sync) first")
+        if buf is not None:
+            st.retired.append(buf)
+        buf = torch.zeros(max(need, minimum), dtype=dtype, device=device)
+        setattr(st, name, buf)
+    return buf
+
+
+def _split_buffers(device: torch.device, n_tiles: int, acc_elems: int):
+    """(sync, accumulator) for a split launch with n_tiles token tiles."""
+    with _state_lock:
+        st = _states.setdefault(_device_key(device), _DeviceState())
+        sync = _grow(st, "sync", 2 + SYNC_PER_TILE * max(n_tiles, 1), 2 + SYNC_PER_TILE * 1024, torch.int32, device)
+        acc = _grow(st, "acc", acc_elems, 1 << 16, torch.float32, device)
+        return sync, acc
+
+
+def reserve_sync(spec: MhcSpec, max_tokens: int, device: torch.device | str = "cuda") -> None:
+    """Allocate the persistent buffers launches of up to `max_tokens` need (call before capturing
+    a CUDA graph, or run one eager launch at the largest token count)."""
+    device = torch.device(device)
+    t = min(max_tokens, SPLIT_MAX_T)
+    cfg = choose_config(spec, t, device=device, variant="split")
+    n_tiles = -(-t // cfg.tile_t)
+    _split_buffers(device, n_tiles, n_tiles * cfg.tile_t * _slot_width(spec.n))
+
+
+def reset_sync(device: torch.device | str = "cuda") -> None:
+    """Zero the persistent state again (only needed after a launch was aborted mid-way)."""
+    st = _states.get(_device_key(torch.device(device)))
+    if st is not None:
+        for buf in (st.sync, st.acc):
+            if buf is not None:
+                buf.zero_()
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch and reference
+# ----------------------------------------------------------------------------------------------
+
+_kernels: dict[tuple[str, bool], object] = {}
+
+
+def load(spec: MhcSpec, interpret: bool):
+    """The jitted kernel of `spec` for one mode (writes the source to the cache on first use)."""
+    memo = (spec.key(), interpret)
+    kernel = _kernels.get(memo)
+    if kernel is None:
+        kernel = kernel_cache.load_kernel(source_path(spec), KERNEL_NAME, interpret)
+        _kernels[memo] = kernel
+    return kernel
+
+
+def _check(name, t, shape, dtypes, device):
+    if t is None:
+        raise ValueError(f"mega_mhc: {name} is required by this spec but is None")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"mega_mhc: {name} must be {list(shape)}, got {list(t.shape)}")
+    if t.dtype not in dtypes:
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"mega_mhc: {name} dtype {str(t.dtype).replace('torch.', '')} must be {names}")
+    if t.device != device:
+        raise ValueError(f"mega_mhc: {name} is on {t.device}, streams on {device}")
+
+
+def _validate(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec):
+    reason = unsupported_reason(spec)
+    if reason:
+        raise ValueError(f"mega_mhc: unsupported spec: {reason}")
+    n, D = spec.n, spec.dim
+    sdtype = DTYPES[spec.stream_dtype]
+    if streams is None or streams.dim() != 3 or tuple(streams.shape[1:]) != (n, D):
+        got = None if streams is None else list(streams.shape)
+        raise ValueError(f"mega_mhc: streams must be [T, {n}, {D}], got {got}")
+    if streams.dtype != sdtype:
+        raise ValueError(f"mega_mhc: streams dtype {streams.dtype} does not match spec stream_dtype "
+                         f"{spec.stream_dtype}")
+    T, device, f32 = streams.shape[0], streams.device, (torch.float32,)
+    if spec.has_post:
+        _check("y", y, (T, D), (sdtype, torch.float32), device)
+        _check("post", post, (T, n), f32, device)
+        _check("comb", comb, (T, n, n), f32, device)
+    if spec.pre == "carried":
+        _check("carried_pre", carried_pre, (T, n), f32, device)
+    if spec.has_coefficients:
+        _check("fn", fn, ((2 + n) * n, n * D), f32, device)
+        _check("base", base, ((2 + n) * n,), f32, device)
+        _check("scale", scale, (3,), f32, device)
+    _check("norm_weight", norm_weight, (D,), f32, device)
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Innermost dimensions contiguous (rows may be strided, even broadcast with stride 0)."""
+    if t is None:
+        return None
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return t.contiguous()
+        expected *= size
+    return t
+
+
+def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
+    """The grid a config gives at T tokens. D is n_chunks chunks of block_d; a stage-A job takes
+    split_chunks of them (n_splits jobs per token tile). The rescale streams blocks of r_block
+    columns ([tile_t, r_block] = 8K elements): r_per_job blocks per rescale job, r_splits jobs per
+    tile (0: the last arrival rescales the whole tile)."""
+    if cfg.tile_t < 16 or cfg.tile_t & (cfg.tile_t - 1) or cfg.block_d < 16 or cfg.block_d & (cfg.block_d - 1) \
+            or cfg.split_cols % cfg.block_d or cfg.r_splits < 0:
+        raise ValueError(f"mega_mhc: inconsistent launch config {cfg}")
+    n_tiles = -(-T // cfg.tile_t)
+    n_chunks = -(-spec.dim // cfg.block_d)
+    split_chunks = min(cfg.split_cols // cfg.block_d, n_chunks)
+    n_splits = -(-n_chunks // split_chunks)
+    r_block = max(16, min(_next_pow2(spec.dim), 8192 // cfg.tile_t))
+    n_rblocks = -(-spec.dim // r_block)
+    r_per_job = -(-n_rblocks // max(cfg.r_splits, 1))
+    r_splits = -(-n_rblocks // r_per_job) if (n_splits > 1 and cfg.r_splits > 0) else 0
+    n_jobs = n_tiles * n_splits
+    if r_splits:
+        n_jobs = n_jobs * (2 if spec.pre == "fresh" else 1) + n_tiles * r_splits
+    return dict(n_tiles=n_tiles, n_chunks=n_chunks, split_chunks=split_chunks, n_splits=n_splits,
+                r_block=r_block, r_per_job=r_per_job, r_splits=r_splits, n_jobs=n_jobs,
+                variant="tiled" if n_splits == 1 else "split")
+
+
+def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec, *,
+             variant: str | None = None, config: LaunchConfig | None = None, out=None):
+    """(X' or None, u, pre' or None, post' or None, comb' or None) of the seam, in one launch.
+
+    streams [T, n, D] (stream dtype), y [T, D] (stream dtype or fp32), post [T, n], comb [T, n, n],
+    carried_pre [T, n], fn [(2+n)n, nD], base [(2+n)n], scale [3], norm_weight [D] (all fp32).
+    Arguments the spec does not use may be None (and are ignored). `variant` forces "split" or
+    "tiled" (default: chosen from T); `config` overrides the tiling (benchmark sweeps). `out`
+    optionally supplies the five output tensors (None where the spec has no such output; tests and
+    benchmarks poison them to prove every element is written). Inputs are never modified.
+    """
+    _validate(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)
+    n, D = spec.n, spec.dim
+    T, device = streams.shape[0], streams.device
+    sdtype = DTYPES[spec.stream_dtype]
+    if out is None:
+        f32 = dict(dtype=torch.float32, device=device)
+        out = (torch.empty((T, n, D), dtype=sdtype, device=device) if spec.has_post else None,
+               torch.empty((T, D), dtype=sdtype, device=device),
+               torch.empty((T, n), **f32) if spec.has_coefficients else None,
+               torch.empty((T, n), **f32) if spec.has_coefficients else None,
+               torch.empty((T, n, n), **f32) if spec.has_coefficients else None)
+    else:
+        _check_out(out, spec, T, device)
+    if T == 0:
+        return tuple(out)
+    x_out, u, pre_out, post_out, comb_out = out
+    streams = streams if streams.stride(2) == 1 else streams.contiguous()
+    y, post, comb, carried_pre = (_rows(t) if used else None for t, used in (
+        (y, spec.has_post), (post, spec.has_post), (comb, spec.has_post), (carried_pre, spec.pre == "carried")))
+    if spec.has_coefficients:
+        fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
+    norm_weight = norm_weight.contiguous()
+
+    cfg = config or choose_config(spec, T, device=device, variant=variant)
+    plan = _plan(spec, cfg, T)
+    n_tiles, n_splits = plan["n_tiles"], plan["n_splits"]
+    acc_elems = n_tiles * cfg.tile_t * _slot_width(n)
+    interpret = device.type != "cuda"
+    if n_splits > 1:
+        sync, acc = _split_buffers(device, n_tiles, acc_elems)
+        if interpret and (bool(sync.any()) or bool(acc.any())):  # host memory: checking is free
+            warnings.warn("mega_mhc: persistent state was left dirty by an aborted launch; resetting it")
+            reset_sync(device)
+        ws = torch.empty(n_tiles * cfg.tile_t, dtype=torch.float32, device=device)  # 1/rms per token
+    else:
+        # tiled: the partial sums go to a per-call buffer (every element read is written first)
+        acc = torch.empty(acc_elems, dtype=torch.float32, device=device)
+        sync = ws = acc  # unused
+    x_stride = (streams.stride(0), streams.stride(1))
+    dummy = streams  # any tensor: pointers the spec never dereferences
+    kernel = load(spec, interpret=interpret)
+    kernel[(plan["n_jobs"],)](
+        streams, y if y is not None else dummy, post if post is not None else dummy,
+        comb if comb is not None else dummy, carried_pre if carried_pre is not None else dummy,
+        fn if spec.has_coefficients else dummy, base if spec.has_coefficients else dummy,
+        scale if spec.has_coefficients else dummy, norm_weight,
+        x_out if x_out is not None else u, u,
+        pre_out if pre_out is not None else acc, post_out if post_out is not None else acc,
+        comb_out if comb_out is not None else acc, acc, ws, sync,
+        T, x_stride[0], x_stride[1], y.stride(0) if y is not None else 0,
+        post.stride(0) if post is not None else 0, comb.stride(0) if comb is not None else 0,
+        carried_pre.stride(0) if carried_pre is not None else 0, n_tiles,
+        TILE_T=cfg.tile_t, BLOCK_D=cfg.block_d, N_CHUNKS=plan["n_chunks"],
+        SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
+        R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], INTERPRETED=interpret,
+        MAX_SPINS=1 << 10 if interpret else 1 << 22, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return tuple(out)
+
+
+def _check_out(out, spec: MhcSpec, T: int, device) -> None:
+    n, D = spec.n, spec.dim
+    sdtype = DTYPES[spec.stream_dtype]
+    want = ((T, n, D, sdtype) if spec.has_post else None, (T, D, sdtype),
+            *(((T, n, torch.float32), (T, n, torch.float32), (T, n, n, torch.float32))
+              if spec.has_coefficients else (None, None, None)))
+    if len(out) != 5:
+        raise ValueError("mega_mhc: out must hold five entries (streams, u, pre, post, comb)")
+    for name, t, w in zip(("streams", "u", "pre", "post", "comb"), out, want):
+        if w is None:
+            if t is not None:
+                raise ValueError(f"mega_mhc: out {name} must be None for this spec")
+            continue
+        if t is None or tuple(t.shape) != w[:-1] or t.dtype != w[-1] or t.device != device \
+                or not t.is_contiguous():
+            raise ValueError(f"mega_mhc: out {name} must be a contiguous {list(w[:-1])} {w[-1]} on {device}")
+
+
+def reference(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec):
+    """The torch reference of the fused op: `model.mhc` + `model.layers.rms_normalize`."""
+    from model.layers import rms_normalize
+    from model.mhc import hc_post, hc_pre, mhc_coefficients
+
+    x = hc_post(y, streams, post, comb) if spec.has_post else streams
+    pre = post_next = comb_next = None
+    if spec.has_coefficients:
+        pre, post_next, comb_next = mhc_coefficients(x, fn, base, scale, spec.sinkhorn_iters,
+                                                     spec.hc_eps, spec.stat_eps)
+    collapsed = hc_pre(x, pre if spec.pre == "fresh" else carried_pre)
+    u = (rms_normalize(collapsed, spec.norm_eps) * norm_weight).to(x.dtype)
+    return (x if spec.has_post else None), u, pre, post_next, comb_next

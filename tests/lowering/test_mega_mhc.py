@@ -1,0 +1,236 @@
+"""Mega-mHC kernel (lowering/mega_mhc.py) against its torch reference, on CPU via the interpreter.
+
+The kernel source is the one CUDA compiles; here the Triton interpreter runs it, atomics, the job
+counter and the epilogue jobs' waits included. Inputs have the model's scales: unit streams and
+sublayer output, comb a real Sinkhorn output, fn ~ N(0, 0.1/sqrt(nD)), random base and scale.
+D = 160 is no power of two and leaves a partial last chunk. Tolerances are the issue's: X' and u
+relative L2 error <= 1e-5 in fp32 and <= 1e-2 in bf16, coefficients <= 1e-5.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from lowering import kernel_cache
+from lowering import mega_mhc as mm
+from lowering.mega_mhc import LaunchConfig, MhcSpec, generate_source, mega_mhc, reference, unsupported_reason
+from model.mhc import sinkhorn
+
+D = 160
+FORMS = {  # name -> (has_post, has_coefficients, pre)
+    "delayed": (True, True, "carried"),
+    "first_seam": (False, True, "carried"),
+    "engram_seam": (False, True, "carried"),  # the same kernel as the first seam; pre is not one-hot
+    "final_collapse": (True, False, "carried"),
+    "v4_fresh": (True, True, "fresh"),
+    "v4_fresh_no_post": (False, True, "fresh"),
+}
+# (T, variant or config): the tiled variant, the split one whose last arrival finishes the tile,
+# and the split one with epilogue jobs (the rescale, and a fresh collapse, in jobs of their own)
+CASES = ((37, "tiled"), (3, "split"), (1, LaunchConfig(16, 32, 64, r_splits=2)),
+         (37, LaunchConfig(16, 32, 64, r_splits=3)))
+
+
+@pytest.fixture(autouse=True)
+def _kernel_cache_in_tmp(tmp_path_factory):
+    kernel_cache.set_cache_dir(tmp_path_factory.getbasetemp() / "kernels")
+    yield
+    kernel_cache.set_cache_dir(None)
+
+
+def make_spec(form="delayed", dtype="float32", **overrides):
+    post, coeffs, pre = FORMS[form]
+    spec = MhcSpec(n=4, dim=D, sinkhorn_iters=20, hc_eps=1e-6, stat_eps=1e-20, norm_eps=1e-20,
+                   has_post=post, has_coefficients=coeffs, pre=pre, stream_dtype=dtype)
+    return dataclasses.replace(spec, **overrides)
+
+
+def make_inputs(spec, T, seed, one_hot_pre=False):
+    g = torch.Generator().manual_seed(seed)
+    n, dim = spec.n, spec.dim
+    dtype = mm.DTYPES[spec.stream_dtype]
+    streams = torch.randn(T, n, dim, generator=g).to(dtype)
+    y = torch.randn(T, dim, generator=g).to(dtype)
+    post = 2 * torch.sigmoid(torch.randn(T, n, generator=g))
+    comb = sinkhorn(torch.randn(T, n, n, generator=g) + 2 * torch.eye(n), 20, 1e-6)
+    if one_hot_pre:  # the first seam: every token collapses copy 0 (a broadcast, stride-0 rows)
+        carried = torch.nn.functional.one_hot(torch.tensor(0), n).float().expand(T, n)
+    else:
+        carried = torch.sigmoid(torch.randn(T, n, generator=g)) + 1e-6
+    fn = torch.randn((2 + n) * n, n * dim, generator=g) * (0.1 / (n * dim) ** 0.5)
+    base = torch.randn((2 + n) * n, generator=g) * 0.5
+    base[2 * n:] += (2 * torch.eye(n)).flatten()
+    scale = 1 + 0.1 * torch.randn(3, generator=g)
+    weight = 1 + 0.1 * torch.randn(dim, generator=g)
+    return streams, y, post, comb, carried, fn, base, scale, weight
+
+
+def poisoned(spec, T):
+    n, dim, dtype = spec.n, spec.dim, mm.DTYPES[spec.stream_dtype]
+    nan = lambda *shape, dt=torch.float32: torch.full(shape, float("nan"), dtype=dt)
+    coeffs = (nan(T, n), nan(T, n), nan(T, n, n)) if spec.has_coefficients else (None, None, None)
+    return (nan(T, n, dim, dt=dtype) if spec.has_post else None, nan(T, dim, dt=dtype), *coeffs)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def assert_matches_reference(spec, args, out):
+    ref = reference(*args, spec)
+    tol = 1e-5 if spec.stream_dtype == "float32" else 1e-2
+    for name, got, want in zip(("streams", "u", "pre", "post", "comb"), out, ref):
+        if want is None:
+            assert got is None, f"{name} must be None for {spec.form()}"
+            continue
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert torch.isfinite(got).all(), f"{name}: unwritten (NaN) or non-finite elements"
+        limit = tol if name in ("streams", "u") else 1e-5
+        assert rel(got, want) <= limit, f"{name}: rel err {rel(got, want):.2e} > {limit}"
+
+
+def run_case(spec, T, how, seed, **input_kw):
+    args = make_inputs(spec, T, seed, **input_kw)
+    kw = {"variant": how} if isinstance(how, str) else {"config": how}
+    out = mega_mhc(*args, spec, out=poisoned(spec, T), **kw)
+    assert_matches_reference(spec, args, out)
+    plan = mm._plan(spec, how if not isinstance(how, str) else mm.choose_config(spec, T, device="cpu", variant=how), T)
+    return plan
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_every_form_equals_the_reference_in_every_variant(form, dtype):
+    spec = make_spec(form, dtype)
+    variants = set()
+    for i, (T, how) in enumerate(CASES):
+        plan = run_case(spec, T, how, seed=17 * i + T, one_hot_pre=form == "first_seam")
+        variants.add((plan["variant"], plan["r_splits"] > 0))
+    # the cases really cover: tiled, split with last-arrival finish, split with epilogue jobs
+    assert variants == {("tiled", False), ("split", False), ("split", True)}
+
+
+def test_outputs_present_per_form():
+    assert make_spec("delayed").outputs() == ["streams", "u", "pre", "post", "comb"]
+    assert make_spec("first_seam").outputs() == ["u", "pre", "post", "comb"]
+    assert make_spec("final_collapse").outputs() == ["streams", "u"]
+    assert make_spec("v4_fresh_no_post").outputs() == ["u", "pre", "post", "comb"]
+
+
+def test_first_seam_one_hot_pre_collapses_copy_zero():
+    spec = make_spec("first_seam")
+    args = make_inputs(spec, 5, seed=3, one_hot_pre=True)
+    _, u, *_ = mega_mhc(*args, spec, variant="split")
+    streams, weight = args[0], args[-1]
+    x0 = streams[:, 0]
+    want = x0 * torch.rsqrt(x0.square().mean(-1, keepdim=True) + 1e-20) * weight
+    assert rel(u, want) <= 1e-6
+
+
+def test_unused_arguments_may_be_none():
+    spec = make_spec("first_seam", "bfloat16")
+    streams, _, _, _, carried, fn, base, scale, weight = make_inputs(spec, 4, seed=5)
+    out = mega_mhc(streams, None, None, None, carried, fn, base, scale, weight, spec)
+    assert_matches_reference(spec, (streams, None, None, None, carried, fn, base, scale, weight), out)
+    spec = make_spec("final_collapse")
+    streams, y, post, comb, carried, _, _, _, weight = make_inputs(spec, 4, seed=6)
+    out = mega_mhc(streams, y, post, comb, carried, None, None, None, weight, spec)
+    assert_matches_reference(spec, (streams, y, post, comb, carried, None, None, None, weight), out)
+
+
+def test_strided_streams_and_fp32_sublayer_output():
+    spec = make_spec("delayed", "bfloat16")
+    streams, y, *rest = make_inputs(spec, 6, seed=8)
+    wide = torch.zeros(6, 5, D, dtype=torch.bfloat16)
+    wide[:, 1:] = streams
+    strided = wide[:, 1:]  # rows 5*D apart: not contiguous
+    assert not strided.is_contiguous()
+    args = (strided, y.float(), *rest)
+    assert_matches_reference(spec, args, mega_mhc(*args, spec))
+
+
+def test_no_tokens():
+    spec = make_spec("delayed")
+    x, u, pre, post, comb = mega_mhc(*make_inputs(spec, 0, seed=1), spec)
+    assert x.shape == (0, 4, D) and u.shape == (0, D) and pre.shape == (0, 4) and comb.shape == (0, 4, 4)
+
+
+def test_other_scalars_and_two_streams():
+    spec = make_spec("v4_fresh", sinkhorn_iters=3, hc_eps=1e-3, stat_eps=1e-6, norm_eps=1e-5)
+    for i, (T, how) in enumerate(CASES[:3]):
+        run_case(spec, T, how, seed=40 + i)
+    two = make_spec("delayed", "bfloat16", n=2, dim=96)
+    for i, (T, how) in enumerate(CASES[:3]):
+        run_case(two, T, how, seed=50 + i)
+
+
+def test_split_launches_leave_the_persistent_state_zero():
+    spec = make_spec("v4_fresh")
+    run_case(spec, 37, LaunchConfig(16, 32, 64, r_splits=3), seed=60)
+    run_case(make_spec("delayed"), 20, "split", seed=61)
+    st = mm._states["cpu"]
+    assert not st.sync.any() and not st.acc.any()
+
+
+def test_unsupported_specs_give_reasons():
+    ok = make_spec()
+    assert unsupported_reason(ok) is None
+    cases = {
+        "n=3": dataclasses.replace(ok, n=3),
+        "fresh without coefficients": dataclasses.replace(ok, has_coefficients=False, pre="fresh"),
+        "float16": dataclasses.replace(ok, stream_dtype="float16"),
+        "pre mode": dataclasses.replace(ok, pre="delayed"),
+        "zero iterations": dataclasses.replace(ok, sinkhorn_iters=0),
+        "negative eps": dataclasses.replace(ok, norm_eps=-1.0),
+        "nan eps": dataclasses.replace(ok, hc_eps=float("nan")),
+        "empty hidden": dataclasses.replace(ok, dim=0),
+    }
+    for what, spec in cases.items():
+        reason = unsupported_reason(spec)
+        assert isinstance(reason, str) and len(reason) > 20, what
+        with pytest.raises(ValueError, match="unsupported spec"):
+            mega_mhc(*make_inputs(ok, 2, seed=0), spec)
+        with pytest.raises(ValueError, match="cannot generate"):
+            generate_source(spec)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: {**a, "fn": a["fn"][:, :-1]}, "fn must be"),
+    (lambda a: {**a, "y": a["y"].half()}, "y dtype"),
+    (lambda a: {**a, "post": None}, "post is required"),
+    (lambda a: {**a, "streams": a["streams"].bfloat16()}, "streams dtype"),
+    (lambda a: {**a, "comb": a["comb"][:, :, :2]}, "comb must be"),
+    (lambda a: {**a, "carried_pre": a["carried_pre"].double()}, "carried_pre dtype"),
+    (lambda a: {**a, "norm_weight": a["norm_weight"][:-1]}, "norm_weight must be"),
+])
+def test_mismatched_arguments_raise_naming_the_argument(change, match):
+    spec = make_spec()
+    names = ("streams", "y", "post", "comb", "carried_pre", "fn", "base", "scale", "norm_weight")
+    args = change(dict(zip(names, make_inputs(spec, 3, seed=2))))
+    with pytest.raises(ValueError, match=match):
+        mega_mhc(*(args[k] for k in names), spec)
+
+
+def test_generated_source_is_cached_on_disk(tmp_path):
+    kernel_cache.set_cache_dir(tmp_path)
+    spec = make_spec("delayed", "bfloat16", hc_eps=2.5e-6)  # a spec no other test loads
+    args = make_inputs(spec, 2, seed=9)
+    mega_mhc(*args, spec)
+    path = tmp_path / f"{mm.kernel_name(spec)}.py"
+    assert path.is_file() and path.read_text() == generate_source(spec)
+    mtime = path.stat().st_mtime_ns
+    mm.source_path(spec)  # same content: left untouched
+    assert path.stat().st_mtime_ns == mtime
+    text = path.read_text()
+    assert "form: delayed seam" in text and "HC_EPS = tl.constexpr(2.5e-06)" in text
+    # the key follows every field, and the generated kernel differs with the form
+    assert len({make_spec(f).key() for f in ("delayed", "first_seam", "final_collapse", "v4_fresh")}) == 4
+    assert make_spec().key() == make_spec().key() != make_spec(norm_eps=1e-6).key()
+    assert generate_source(make_spec("final_collapse")) != generate_source(make_spec("delayed"))
+
+
+def test_describe_names_the_form_and_outputs():
+    d = make_spec("v4_fresh", "bfloat16").describe()
+    assert d["form"].startswith("V4 non-delayed") and d["unsupported"] is None
+    assert d["width"] == 24 and d["slot"] == 32 and d["outputs"] == ["streams", "u", "pre", "post", "comb"]

@@ -1,0 +1,138 @@
+"""Mega-mHC pass: every seam form matches and equals the chain; exact counts on whole models."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import passes
+from model import build_model, preset
+from model.layers import RMSNorm
+from model.mhc import HyperConnection, hc_post, hc_pre
+
+N, D = 4, 64
+
+
+class Seam(nn.Module):
+    """One mHC seam written with the model's functions, in any of the forms the pass handles."""
+
+    def __init__(self, form: str, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.form, self.dtype = form, dtype
+        self.site = HyperConnection(N, D, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-20)
+        self.site.base.data += torch.randn(24) * 0.5
+        self.norm = RMSNorm(D, 1e-20)
+        self.norm.weight.data.uniform_(0.5, 1.5)
+
+    def forward(self, X, y, post, comb, carried):
+        if self.form in ("delayed", "final", "fresh"):
+            X = hc_post(y, X, post, comb)
+        if self.form == "engram":  # something other than a post produces the stream
+            X = (X.float() * 1.01 + y.float().unsqueeze(-2) * 0.1).to(X.dtype)
+        if self.form == "final":
+            return X, self.norm(hc_pre(X, carried))
+        pre, post_next, comb_next = self.site(X)
+        u = self.norm(hc_pre(X, pre if self.form == "fresh" else carried))
+        return X, u, pre, post_next, comb_next
+
+
+def _inputs(T, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    comb = torch.softmax(torch.randn(T, N, N, generator=g), -1)
+    comb = comb / comb.sum(-2, keepdim=True)
+    carried = torch.rand(T, N, generator=g) + 0.5
+    return (torch.randn(T, N, D, generator=g).to(dtype), torch.randn(T, D, generator=g).to(dtype),
+            2 * torch.rand(T, N, generator=g), comb, carried)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("form", ["delayed", "first", "engram", "final", "fresh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_seam_form_matches_and_equals_the_chain(tmp_path, form, dtype):
+    module = Seam(form, dtype)
+    args = _inputs(7, dtype)
+    torch._dynamo.reset()
+    fused = passes.compile(module, passes=["mega_mhc"], dump_dir=tmp_path, fullgraph=True)
+    out = fused(*args)
+    ref = module(*args)
+    assert fused.report.counts() == {"mega_mhc": 1}, fused.report.rejections("mega_mhc")
+    spec = fused.report.matches("mega_mhc")[0].spec
+    assert spec["has_post"] == (form in ("delayed", "final", "fresh"))
+    assert spec["has_coefficients"] == (form != "final")
+    assert spec["pre"] == ("fresh" if form == "fresh" else "carried")
+    if form == "engram":
+        assert "stays unfused" in spec["left_unfused"][0]
+    if spec["has_coefficients"]:
+        assert spec["sinkhorn_iters"] == 20 and spec["hc_eps"] == 1e-6
+    after = (tmp_path / "graph000_mega_mhc_after.txt").read_text()
+    for gone in ("aten.rsqrt", "aten.sigmoid", "aten.bmm"):
+        if form != "engram" or gone != "aten.bmm":
+            assert gone not in after, gone
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for got, want in zip(out, ref):
+        assert _rel(got, want) <= tol
+
+
+def test_a_plain_residual_add_is_not_a_seam(tmp_path):
+    class NotASeam(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = RMSNorm(D, 1e-20)
+
+        def forward(self, X, y):
+            return self.norm((X.float().sum(-2) + y).to(X.dtype))
+
+    torch._dynamo.reset()
+    fused = passes.compile(NotASeam(), passes=["mega_mhc"], fullgraph=True)
+    fused(torch.randn(3, N, D), torch.randn(3, D))
+    assert fused.report.counts() == {"mega_mhc": 0}
+
+
+def test_tiny_every_site_and_the_final_collapse(tmp_path):
+    cfg = preset("tiny").replace(quant="none")
+    model = build_model(cfg, seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    fused = passes.compile(model, passes=["mega_mhc"], dump_dir=tmp_path, fullgraph=True)
+    logits = fused(ids)
+    # Two sites per layer (attention, FFN), each one seam, plus the final collapse before the norm.
+    assert fused.report.counts() == {"mega_mhc": 2 * cfg.n_layers + 1}
+    specs = [m.spec for m in fused.report.matches("mega_mhc")]
+    # no post before the first site and before the attention sites of the Engram layers
+    assert sum(not s["has_post"] for s in specs) == 1 + len(cfg.engram_layers)
+    assert sum(not s["has_coefficients"] for s in specs) == 1
+    after = (tmp_path / "graph000_mega_mhc_after.txt").read_text()
+    assert after.count("megafuse.mega_mhc.default") == 2 * cfg.n_layers + 1
+    # no coefficient head survives (its [n, n, n*n] split), and only the posts in front of an
+    # Engram injection stay unfused, which the report says
+    assert not re.search(r"split_with_sizes.default\]\(args = \(%\w+, \[4, 4, 16\]", after)
+    notes = [s["left_unfused"] for s in specs if "left_unfused" in s]
+    assert len(notes) == 1 + len(cfg.engram_layers)
+    torch._dynamo.reset()
+    unfused = passes.compile(model, passes="none", fullgraph=True)(ids)
+    assert (logits - unfused).abs().max().item() <= 1e-4
+
+
+hf = pytest.importorskip("transformers")
+
+
+def test_hf_deepseek_v4_fires_at_every_hyper_connection_site():
+    from tests.passes.test_mega_gate_models import _hf_model
+
+    model = _hf_model()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    fused = passes.compile(model, passes=["mega_mhc"])
+    logits = fused(ids, use_cache=False).logits
+    torch._dynamo.reset()
+    unfused = passes.compile(model, passes="none")(ids, use_cache=False).logits
+    n_layers = model.config.num_hidden_layers
+    specs = [m.spec for m in fused.report.matches("mega_mhc")]
+    assert len(specs) == 2 * n_layers, fused.report.rejections("mega_mhc")
+    assert all(s["pre"] == "fresh" for s in specs)  # V4: each site collapses with its own pre
+    assert (logits - unfused).abs().max().item() <= 1e-4

@@ -1,0 +1,81 @@
+"""Shared by the H200 benchmarks (tools/bench_*.py): timing (medians, CUDA-graph replay) and the
+stage runner that keeps the results JSON current after every stage."""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+
+import torch
+
+
+def time_graph_us(fn, rep: int = 60) -> float:
+    """Median of CUDA-graph replays (launch overhead removed), in microseconds."""
+    from triton.testing import do_bench_cudagraph
+    return do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
+
+
+def time_eager_us(fn) -> float:
+    """Median with ordinary launches (what an eager caller pays), in microseconds."""
+    from triton.testing import do_bench
+    return do_bench(fn, rep=60, return_mode="median") * 1e3
+
+
+def time_cold_l2_us(fn, n: int = 40, flush_mb: int = 96, reps: int = 15) -> float:
+    """Per call, with L2 flushed before each call: a graph of n x (flush; fn) minus a graph of
+    n x (flush), each replayed `reps` times, medians."""
+    flush = torch.empty(flush_mb * 2 ** 20 // 4, dtype=torch.float32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graphs = []
+    with torch.cuda.stream(stream):
+        fn()
+        for with_fn in (True, False):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(n):
+                    flush.zero_()
+                    if with_fn:
+                        fn()
+            graphs.append(g)
+    torch.cuda.synchronize()
+    med = []
+    for g in graphs:
+        times = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            g.replay()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        times.sort()
+        med.append(times[len(times) // 2])
+    return (med[0] - med[1]) / n * 1e3
+
+
+class Stages:
+    """Runs benchmark stages in order; a failing stage is logged with its traceback and the run
+    goes on. The results JSON is rewritten after every stage, so a run cut off by its time limit
+    still leaves everything measured so far."""
+
+    def __init__(self, results: dict, out_path: str, log):
+        self.results, self.out_path, self.log = results, out_path, log
+        results.setdefault("stages", {})
+
+    def save(self) -> None:
+        with open(self.out_path, "w") as f:
+            json.dump(self.results, f, indent=1, default=str)
+
+    def run(self, name: str, fn) -> None:
+        t0 = time.time()
+        self.log(f"== {name}")
+        try:
+            self.results[name] = fn()
+            self.results["stages"][name] = {"ok": True, "seconds": round(time.time() - t0, 1)}
+        except Exception:
+            tb = traceback.format_exc()
+            self.log(tb)
+            self.results["stages"][name] = {"ok": False, "seconds": round(time.time() - t0, 1), "error": tb[-2000:]}
+        self.save()
