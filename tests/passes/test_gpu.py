@@ -24,6 +24,12 @@ def test_tiny_all_passes_on_cuda_equal_eager():
     eager = model(ids)
     err = (logits - eager).abs().max().item()
     print(f"tiny on CUDA, all passes: counts {fused.report.counts()}, max abs error vs eager {err:.2e}")
+    for name in passes.available():  # what did not match, and why: the CUDA graph differs from the CPU one
+        for rejection in fused.report.rejections(name):
+            print(f"  {name} rejected at {rejection.anchor}: {rejection.reason}")
+        misses = [f"{node}: {why}" for g in fused.report.graphs for p in g.passes if p.name == name
+                  for node, why in p.decisions.items() if not why.startswith("matched")]
+        print(f"  {name}: {len(misses)} anchors not matched, e.g. {misses[:6]}")
     assert fused.report.counts() == {"mega_mhc": 2 * cfg.n_layers + 1, "mega_gate": cfg.n_layers}
     assert err <= 1e-3  # fp32 model; the gate GEMM runs 3xTF32 on CUDA
 
