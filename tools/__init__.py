@@ -1,1 +1,2 @@
-"""The command line (`megafuse`): info, run; tools import everything and own nothing."""
+"""The command line (`megafuse`): info, run, ablate, inspect (and the benchmarks); tools import
+everything and own nothing."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -12,7 +14,8 @@ import torch
 import triton
 from rich.console import Console
 
-console = Console(stderr=False)
+# Tables are wide: a log or a pipe (no terminal, no COLUMNS) gets 120 columns rather than rich's 80.
+console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)
 
 
 def environment() -> dict:
@@ -23,6 +26,17 @@ def environment() -> dict:
         "triton": triton.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
     }
+
+
+@contextlib.contextmanager
+def tables_to_stderr(active: bool):
+    """While `--json -` writes JSON to stdout, send the tables and progress to stderr."""
+    previous = console.stderr
+    console.stderr = previous or active
+    try:
+        yield
+    finally:
+        console.stderr = previous
 
 
 def write_json(data: dict, path: str) -> None:

@@ -1,10 +1,16 @@
-"""The `megafuse` command line: info and run on real configs, JSON schemas, clear errors."""
+"""The `megafuse` command line: info on real configs, help with examples, usage errors that name the
+valid choices (exit status 2), pass flags generated from the registry. Nothing here compiles."""
 
 import json
 
 import pytest
 
-from tools.cli import main
+import passes
+from passes import registry
+from tools import ablate, common
+from tools.cli import TOOLS, build_parser, main
+
+COMPILE_TOOLS = ("run", "ablate", "inspect")
 
 
 def test_info_flash_json(capsys):
@@ -17,36 +23,101 @@ def test_info_flash_json(capsys):
     assert len(facts["roles"]) == 40
 
 
-def test_run_tiny_json(tmp_path, capsys):
-    out = tmp_path / "run.json"
-    assert main(["run", "--config", "tiny", "--prompt-len", "6", "--decode", "3", "--batch", "2",
-                 "--json", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert result["config"] == "tiny" and result["decode_steps"] == 3
-    assert len(result["generated"]) == 2 and len(result["generated"][0]) == 4  # first token + 3 steps
-    assert result["first_logits"]["finite"] and result["first_logits"]["std"] > 0.1
-    assert result["parameters"]["total"] == 13_669_176
-    for key in ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "environment"):
-        assert key in result
-    assert "TTFT" in capsys.readouterr().out
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_help_has_examples(tool, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([tool, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and f"megafuse {tool} --config" in out
 
 
-def test_unknown_preset_is_an_error_listing_the_presets(capsys):
-    assert main(["info", "--config", "huge"]) == 2
+@pytest.mark.parametrize("tool", ["info", *COMPILE_TOOLS])
+def test_unknown_preset_is_an_error_listing_the_presets(tool, capsys):
+    assert main([tool, "--config", "huge"]) == 2
     assert "tiny, proxy, flash" in capsys.readouterr().out
 
 
-def test_unknown_flag_and_choice_are_rejected(capsys):
+@pytest.mark.parametrize("tool", COMPILE_TOOLS)
+def test_unknown_pass_is_an_error_listing_the_passes(tool, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([tool, "--config", "tiny", "--passes", "mega_gate,nope"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown pass 'nope'" in err and f"valid passes: {', '.join(passes.available())}" in err
+
+
+@pytest.mark.parametrize("tool", COMPILE_TOOLS)
+def test_unknown_flag_is_an_error_listing_the_options(tool, capsys):
+    with pytest.raises(SystemExit) as e:  # a near miss is not taken as an abbreviation
+        main([tool, "--config", "tiny", "--no-mega-gat"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --no-mega-gat" in err
+    assert "did you mean --no-mega-gate" in err and "valid options:" in err and "--passes" in err
+
+
+def test_bad_choice_lists_the_choices(capsys):
     with pytest.raises(SystemExit) as e:
         main(["run", "--config", "tiny", "--quant", "fp8"])
     assert e.value.code == 2
     assert "'ref', 'none'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["run", "--config", "tiny", "--nope"])
 
 
-def test_help_has_examples(capsys):
-    for tool in ("info", "run"):
-        with pytest.raises(SystemExit):
-            main([tool, "--help"])
-        assert "examples:" in capsys.readouterr().out
+def test_usage_errors_found_after_parsing_exit_2(capsys):
+    assert main(["run", "--config", "tiny", "--prompt-len", "0"]) == 2
+    assert "--prompt-len must be >= 1" in capsys.readouterr().out
+    assert main(["inspect", "--config", "tiny", "--layer", "12"]) == 2
+    assert "layers 0..11" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, enabled", [
+    ([], ["mega_mhc", "mega_gate"]),
+    (["--passes", "none"], []),
+    (["--passes", "mega_gate"], ["mega_gate"]),
+    (["--no-mega-gate"], ["mega_mhc"]),
+    (["--no-mega_mhc", "--no-mega-gate"], []),
+    (["--passes", "mega_gate,mega_mhc", "--no-mega-mhc"], ["mega_gate"]),
+])
+def test_pass_selection(argv, enabled):
+    for tool in COMPILE_TOOLS:
+        args = build_parser().parse_args([tool, "--config", "tiny", *argv])
+        assert common.selected_passes(args) == enabled
+
+
+def test_pass_flags_follow_the_registry(monkeypatch):
+    """A newly registered pass gets its --no-<pass> flag in every tool with no change to the tools."""
+    class NewPass(passes.registry.get("mega_gate")):
+        name = "new_pass"
+        description = "a pass registered after the tools were written"
+        run_order = 10_000
+
+    monkeypatch.setitem(registry._PASSES, "new_pass", NewPass)
+    for tool in COMPILE_TOOLS:
+        args = build_parser().parse_args([tool, "--config", "tiny", "--no-new-pass"])
+        assert common.selected_passes(args) == ["mega_mhc", "mega_gate"]
+        args = build_parser().parse_args([tool, "--config", "tiny", "--passes", "new_pass"])
+        assert common.selected_passes(args) == ["new_pass"]
+
+
+def _meaning(name, swept):
+    if name in ("none", "all"):
+        return [] if name == "none" else swept
+    if name.startswith("only "):
+        return [name.removeprefix("only ")]
+    return [p for p in swept if p != name.removeprefix("all but ")]
+
+
+@pytest.mark.parametrize("swept, rows", [([], 1), (["a"], 2), (["a", "b"], 4), (["a", "b", "c"], 8)])
+def test_ablation_configurations_are_deduplicated_by_pass_set(swept, rows):
+    configs = ablate.configurations(swept)
+    assert len(configs) == rows
+    assert len({frozenset(c["passes"]) for c in configs}) == rows
+    names = [n for c in configs for n in c["names"]]
+    expected = ["none", *(f"only {p}" for p in swept), *(f"all but {p}" for p in swept), "all"]
+    assert sorted(names) == sorted(set(expected))  # every configuration, each in exactly one row
+    for c in configs:
+        for n in c["names"]:
+            assert set(_meaning(n, swept)) == set(c["passes"]), n
+    if swept == ["a", "b"]:
+        assert [c["names"] for c in configs] == [["none"], ["only a", "all but b"], ["only b", "all but a"], ["all"]]

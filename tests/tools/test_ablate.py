@@ -1,0 +1,66 @@
+"""`megafuse ablate` on tiny (one block, to keep four compiles cheap): one row per configuration,
+matches equal to each compile's pass report, profiler kernel counts that agree with them, a PNG."""
+
+import json
+
+import matplotlib.image
+import pytest
+
+import passes
+from tools import ablate
+from tools.cli import main
+from tools.common import LayerHarness
+
+ABLATE_KEYS = {"schema", "config", "dtype", "quant", "device", "target", "compared", "batch", "tokens", "seed",
+               "repeat", "passes", "timing", "kernel_count", "configurations", "rows", "png", "environment"}
+ROW_KEYS = {"names", "passes", "matches", "report", "kernels_per_forward", "kernels", "compile_s", "step_s",
+            "step_times_s", "step_method", "speedup_vs_none", "error"}
+
+
+@pytest.fixture(scope="module")
+def ablation(tmp_path_factory):
+    return tmp_path_factory.mktemp("ablate")
+
+
+def test_ablate_has_one_row_per_configuration_with_counts_from_the_report(ablation, cached_compiles, tiny, capsys):
+    out, png = ablation / "ablate.json", ablation / "ablate.png"
+    argv = ["ablate", "--config", "tiny", "--layer", "2", "--repeat", "1", "--json", str(out), "--png", str(png)]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert set(r) == ABLATE_KEYS and r["schema"] == "megafuse.ablate/1"
+    for key in ABLATE_KEYS | ROW_KEYS:  # the schema is the one documented
+        assert key in ablate.__doc__, key
+    swept = passes.available()
+    assert r["passes"] == swept and r["target"] == "layer 2" and r["png"] == str(png)
+
+    # one row per distinct configuration; every configuration name maps to exactly one row
+    expected = {"none", "all", *(f"only {p}" for p in swept), *(f"all but {p}" for p in swept)}
+    assert set(r["configurations"]) == expected
+    rows = r["rows"]
+    assert len(rows) == len(ablate.configurations(swept)) == len({frozenset(row["passes"]) for row in rows})
+    for name, index in r["configurations"].items():
+        assert [i for i, row in enumerate(rows) if name in row["names"]] == [index]
+
+    harness = LayerHarness(tiny.layers[2])
+    for row in rows:
+        assert set(row) == ROW_KEYS
+        assert row["passes"] == [p for p in swept if p in row["passes"]]  # registry order
+        report = cached_compiles.report(harness, row["passes"])
+        assert row["matches"] == report.counts() == row["report"]["counts"]
+        assert set(row["matches"]) == set(row["passes"])
+        # each fused op is one kernel launch: the profiler agrees with the report
+        assert row["kernels"]["megafuse"] == sum(row["matches"].values())
+        assert row["kernels_per_forward"] == sum(row["kernels"].values()) > 0
+        assert row["error"]["max_abs"] < 1e-3 and row["error"]["finite"]
+        assert row["step_s"] > 0 and len(row["step_times_s"]) == 1
+    none, every = rows[r["configurations"]["none"]], rows[r["configurations"]["all"]]
+    assert none["matches"] == {} and none["speedup_vs_none"] == 1.0
+    assert every["matches"]["mega_gate"] == 1 and sum(every["matches"].values()) >= 2
+    assert every["kernels_per_forward"] < none["kernels_per_forward"]  # fusion cuts launches
+
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    image = matplotlib.image.imread(str(png))
+    assert image.shape[0] > 200 and image.shape[1] > 400 and image.std() > 0.05
+    printed = capsys.readouterr().out
+    assert "megafuse ablate" in printed and "all but mega_gate" in printed and f"wrote {png}" in printed

@@ -1,0 +1,83 @@
+"""`megafuse run` on tiny: the JSON schema, counts equal to the pass report, the comparison with eager
+over the prompt and every decode step, and an exit status that follows --tolerance."""
+
+import json
+
+import passes
+from tools import run
+from tools.cli import main
+
+RUN_KEYS = {"schema", "config", "dtype", "quant", "device", "batch", "prompt_len", "decode_steps", "seed",
+            "seq_len", "passes", "parameters", "graph", "counts", "report", "comparison", "timing", "generated",
+            "exit_status", "environment"}
+METRIC_KEYS = {"positions", "max_abs", "cosine_min", "cosine_mean", "top1_agreement", "finite"}
+TIMING_KEYS = {"ttft_s", "step_s", "per_token_s", "tokens_per_s"}
+
+
+def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_compiles, tiny, capsys):
+    out = tmp_path / "run.json"
+    assert main(["run", "--config", "tiny", "--prompt-len", "6", "--decode", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r) == RUN_KEYS and r["schema"] == "megafuse.run/1"
+    for key in RUN_KEYS | METRIC_KEYS | TIMING_KEYS:  # the schema is the one documented
+        assert key in run.__doc__, key
+    assert (r["config"], r["batch"], r["prompt_len"], r["decode_steps"], r["seq_len"]) == ("tiny", 1, 6, 2, 8)
+    assert r["passes"] == passes.available()
+    assert r["graph"]["shape"] == [1, 8] and r["graph"]["graphs_compiled"] == 1 and r["graph"]["compile_s"] > 0
+
+    # the counts are the pass report's
+    report = cached_compiles.report(tiny, passes.available())
+    assert r["counts"] == report.counts() == r["report"]["counts"]
+    assert r["counts"]["mega_gate"] == 12  # one gate per MoE layer
+    for name, count in r["counts"].items():
+        assert len(r["report"]["per_pass"][name]["matches"]) == count
+
+    comparison = r["comparison"]
+    assert set(comparison) == {"prompt", "steps", "overall", "tolerance", "passed"}
+    assert set(comparison["prompt"]) == METRIC_KEYS and comparison["prompt"]["positions"] == 6
+    assert [s["step"] for s in comparison["steps"]] == [1, 2]
+    for s in comparison["steps"]:
+        assert set(s) == METRIC_KEYS | {"step", "eager_token", "compiled_token"} and s["positions"] == 1
+    overall = comparison["overall"]
+    assert overall["positions"] == 8 and overall["finite"]
+    assert overall["max_abs"] < 1e-3 and overall["cosine_min"] > 0.99999 and overall["top1_agreement"] == 1.0
+    assert comparison["passed"] and r["exit_status"] == 0
+
+    # eager's greedy tokens drive both models; the compiled model's choices agree
+    eager, compiled = r["generated"]["eager"], r["generated"]["compiled"]
+    assert len(eager) == 1 and len(eager[0]) == 3 and eager == compiled
+    assert [s["eager_token"][0] for s in comparison["steps"]] == eager[0][1:]
+
+    timing = r["timing"]
+    assert timing["indicative"] and "indicative" in timing["method"]
+    for side in ("eager", "compiled"):
+        assert TIMING_KEYS <= set(timing[side]) and len(timing[side]["step_s"]) == 2
+        assert timing[side]["ttft_s"] > 0 and timing[side]["tokens_per_s"] > 0
+    printed = capsys.readouterr().out
+    for words in ("megafuse passes", "compiled vs eager logits", "step 2", "TTFT", "PASS", "compiling the sequence graph"):
+        assert words in printed
+
+
+def test_run_exit_status_follows_the_tolerance(cached_compiles, capsys):
+    # prompt 8, no decode: the same [1, 8] graph as above (no new compile)
+    status = main(["run", "--config", "tiny", "--prompt-len", "8", "--decode", "0", "--tolerance", "0", "--json", "-"])
+    captured = capsys.readouterr()
+    r = json.loads(captured.out)  # JSON alone on stdout, the tables went to stderr
+    exceeded = r["comparison"]["overall"]["max_abs"] > 0
+    assert status == r["exit_status"] == (1 if exceeded else 0)
+    assert r["comparison"]["passed"] is not exceeded
+    assert r["comparison"]["steps"] == [] and r["timing"]["compiled"]["per_token_s"] is None
+    assert ("FAIL" if exceeded else "PASS") in captured.err
+
+
+def test_run_takes_a_config_json_or_a_checkpoint_directory(tmp_path, cached_compiles, tiny, capsys):
+    from model.checkpoint import save_checkpoint
+
+    (tmp_path / "tiny.json").write_text(json.dumps(tiny.cfg.to_dict()))
+    checkpoint = save_checkpoint(tiny, tmp_path / "checkpoint")
+    for source in (tmp_path / "tiny.json", checkpoint):
+        # same weights as the cached tiny compile ([1, 8], all passes): no new compile
+        assert main(["run", "--config", str(source), "--prompt-len", "8", "--decode", "0", "--json", "-"]) == 0
+        r = json.loads(capsys.readouterr().out)
+        assert r["config"] == "tiny" and r["comparison"]["passed"]
+        assert r["counts"] == cached_compiles.report(tiny, passes.available()).counts()

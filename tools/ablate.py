@@ -1,0 +1,252 @@
+"""`megafuse ablate`: what each pass buys, configuration by configuration.
+
+The configurations, for the swept passes P (default: every registered pass, `--passes` / `--no-*`
+narrow it): no passes (plain Inductor), each pass alone, all but each one, all passes. Configurations
+with the same pass set are one row, listed under every name that maps to it (with two passes, "only
+a" is "all but b"). For each row, on the same random prompt [B, T]:
+
+    matches      per pass, from the compile's pass report
+    kernels      launched per forward, from torch.profiler (common.KERNEL_COUNT_METHOD says exactly
+                 what is counted on each device)
+    step         latency of one forward: on CUDA the compiled forward captured in a CUDA graph and
+                 replayed (CUDA events, median of --repeat replays; falls back to timed launches
+                 if capture fails, and says so); on CPU wall clock, median of --repeat calls,
+                 indicative only (Triton kernels run in the interpreter there)
+    speed-up     step latency of the no-pass row / this row's
+    error        logits against eager on the same prompt: max abs, cosine, top-1 agreement
+
+Output: a rich table, `--json PATH` and a PNG bar chart of speed-up vs no passes (`--png`).
+
+JSON, schema "megafuse.ablate/1":
+
+    schema          "megafuse.ablate/1"
+    config, dtype, quant, device        str
+    target          "model" | "layer N"
+    compared        "logits" | "the block's output streams"   what `error` compares
+    batch, tokens, seed, repeat         int
+    passes          [str]   the swept passes, registry order
+    timing          {method: str, indicative: bool}
+    kernel_count    {method: str}
+    configurations  {name: row index}   every configuration name ("none", "only a", "all but a", "all")
+    rows            [{names: [str], passes: [str],
+                      matches: {pass: int}           (enabled passes only; == report.counts)
+                      report: CompileReport.to_dict(),
+                      kernels_per_forward: float, kernels: {inductor, megafuse, other: float},
+                      compile_s: float, step_s: float, step_times_s: [float], step_method: str,
+                      speedup_vs_none: float | null,
+                      error: {positions, max_abs, cosine_min, cosine_mean, top1_agreement, finite}}]
+    png             str | null
+    environment     {date, python, torch, triton, device}
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from pathlib import Path
+
+import torch
+from rich.table import Table
+
+from . import common
+from .common import Stopwatch, compare_logits, median, step
+from .output import console, environment, tables_to_stderr, write_json
+
+EXAMPLES = """examples:
+  megafuse ablate --config tiny                                 # every configuration of every registered pass
+  megafuse ablate --config tiny --passes mega_gate --repeat 1   # sweep one pass: none vs mega_gate
+  megafuse ablate --config tiny --json ablate.json --png ablate.png
+  megafuse ablate --config tiny --layer 2                       # one block: four compiles of ~20 s on CPU
+  megafuse ablate --config proxy --device cuda --prompt-len 64 --json results/ablate_proxy.json
+
+With n passes there are up to 2n + 2 configurations; each is a full compile (about 1.5 minutes for
+tiny on CPU).
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_model_arguments(parser, prompt_len=8)
+    common.add_layer_argument(parser)
+    common.add_pass_arguments(parser, what="passes to sweep")
+    parser.add_argument("--repeat", type=int, metavar="N",
+                        help="timed forwards per configuration (default: 50 CUDA-graph replays on CUDA, 3 calls on CPU)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
+    parser.add_argument("--png", metavar="PATH", help="speed-up chart (default: ablate_<config>.png)")
+
+
+def configurations(swept: list[str]) -> list[dict]:
+    """Rows for: none, each alone, all but each, all; one row per distinct pass set, in that order,
+    with every name that maps to it. Pass lists keep registry order."""
+    named = [("none", [])]
+    named += [(f"only {p}", [p]) for p in swept]
+    named += [(f"all but {p}", [q for q in swept if q != p]) for p in swept]
+    named += [("all", list(swept))]
+    rows: dict[frozenset, dict] = {}
+    for name, chosen in named:
+        row = rows.setdefault(frozenset(chosen), {"names": [], "passes": chosen})
+        if name not in row["names"]:
+            row["names"].append(name)
+    return list(rows.values())
+
+
+def _graph_step_times(fn, inputs: tuple, repeat: int) -> tuple[list[float], str]:
+    """Capture one compiled forward in a CUDA graph and time `repeat` replays with CUDA events.
+    The inputs stay alive and unchanged, so replays read the captured addresses."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (kernels' workspaces are allocated here, not in capture)
+        for _ in range(2):
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*inputs)
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del graph
+    return times, "CUDA-graph replay (CUDA events)"
+
+
+def _step_times(fn, inputs: tuple, device: str, repeat: int) -> tuple[list[float], str]:
+    if device == "cuda":
+        try:
+            return _graph_step_times(fn, inputs, repeat)
+        except Exception as e:  # capture is not always possible; time plain launches instead
+            torch.cuda.synchronize()
+            reason = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+            clock = Stopwatch(device)
+            return [clock(fn, *inputs)[1] for _ in range(repeat)], f"timed launches, CUDA events (graph capture failed: {reason})"
+    clock = Stopwatch(device)
+    return [clock(fn, *inputs)[1] for _ in range(repeat)], "wall clock, indicative (CPU)"
+
+
+def _compared(output):
+    """The model's logits; a block returns (streams, pre): its streams."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def main(args: argparse.Namespace) -> int:
+    with tables_to_stderr(args.json == "-"):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
+    swept = common.selected_passes(args)
+    repeat = args.repeat if args.repeat is not None else (50 if args.device == "cuda" else 3)
+    args.repeat = repeat
+    common.check_sizes(args, prompt_len=1, batch=1, repeat=1)
+    cfg, model = common.load_model(args)
+    ids = common.random_ids(cfg, args.batch, args.prompt_len, args.seed, args.device)
+    target, inputs, what = common.target(model, ids, args.layer)
+    rows = configurations(swept)
+    console.print(f"[bold]megafuse ablate[/bold]: {cfg.name} {what} ({cfg.dtype}, quant={cfg.quant}, {args.device}), "
+                  f"{args.batch} x {args.prompt_len} tokens, passes {', '.join(swept) or '(none)'}: "
+                  f"{len(rows)} configurations")
+    with torch.no_grad():
+        reference = _compared(target(*inputs))
+        for i, row in enumerate(rows, start=1):
+            label = " = ".join(row["names"])
+            common.reset_compiler()
+            fused = common.compile_model(target, row["passes"], args.device)
+            with step(f"[{i}/{len(rows)}] {label}: compiling"):
+                out, row["compile_s"] = Stopwatch(args.device)(fused, *inputs)
+            with step(f"[{i}/{len(rows)}] {label}: counting kernels, timing {repeat} forwards", quiet=True):
+                row["error"] = compare_logits(reference, _compared(out))
+                kernels = common.count_kernels(fused, inputs, args.device)
+                times, row["step_method"] = _step_times(fused, inputs, args.device, repeat)
+            row["matches"] = fused.report.counts()
+            row["report"] = fused.report.to_dict()
+            row["kernels_per_forward"] = kernels["total"]
+            row["kernels"] = kernels["by_kind"]
+            row["step_times_s"] = times
+            row["step_s"] = median(times)
+            console.print(f"  {label}: {row['kernels_per_forward']:g} kernels/forward, step {row['step_s'] * 1e3:.2f} ms, "
+                          f"max |err| {row['error']['max_abs']:.2e}, matches {row['matches'] or '-'}")
+            del fused, out
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    base = next(r for r in rows if not r["passes"])["step_s"]
+    for row in rows:
+        row["speedup_vs_none"] = base / row["step_s"] if base and row["step_s"] else None
+
+    png = args.png or f"ablate_{cfg.name}.png"
+    result = {
+        "schema": "megafuse.ablate/1",
+        "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant, "device": args.device, "target": what,
+        "compared": "logits" if args.layer is None else "the block's output streams",
+        "batch": args.batch, "tokens": args.prompt_len, "seed": args.seed, "repeat": repeat,
+        "passes": swept,
+        "timing": {"method": rows[0]["step_method"], "indicative": args.device != "cuda"},
+        "kernel_count": {"method": common.KERNEL_COUNT_METHOD[args.device]},
+        "configurations": {name: i for i, row in enumerate(rows) for name in row["names"]},
+        "rows": rows,
+        "png": png,
+        "environment": environment(),
+    }
+    console.print(_table(result))
+    _chart(result, png)
+    console.print(f"wrote {png}")
+    if args.json:
+        write_json(result, args.json)
+    return 0
+
+
+def _speedup(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f}x" if x >= 0.1 else f"{x:.4f}x"
+
+
+def _table(result: dict) -> Table:
+    indicative = " (CPU: timings indicative)" if result["timing"]["indicative"] else ""
+    table = Table(title=f"megafuse ablate: {result['config']} {result['target']} on {result['device']}, "
+                        f"{result['batch']} x {result['tokens']} tokens{indicative}; matches per pass")
+    table.add_column("configuration", no_wrap=True)
+    for name in result["passes"]:
+        table.add_column(name, justify="right", no_wrap=True)
+    for col in ("kernels\n/forward", "step\n(ms)", "speed-up\nvs none", "max |err|\nvs eager", "top-1\nagree"):
+        table.add_column(col, justify="right")
+    for row in result["rows"]:
+        cells = [str(row["matches"][p]) if p in row["matches"] else "-" for p in result["passes"]]
+        speedup = row["speedup_vs_none"]
+        table.add_row("\n".join(row["names"]), *cells, f"{row['kernels_per_forward']:g}", f"{row['step_s'] * 1e3:.2f}",
+                      _speedup(speedup), f"{row['error']['max_abs']:.1e}",
+                      f"{row['error']['top1_agreement'] * 100:.0f}%")
+    return table
+
+
+def _chart(result: dict, path: str) -> None:
+    """Horizontal bars of speed-up vs no passes, one per row (matplotlib, Agg canvas: no display)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = result["rows"]
+    labels = [" = ".join(r["names"]) for r in rows]
+    speedups = [r["speedup_vs_none"] or 0.0 for r in rows]
+    fig = Figure(figsize=(8, 1.2 + 0.55 * len(rows)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colors = ["#9e9e9e" if not r["passes"] else "#1f77b4" for r in rows]
+    bars = ax.barh(range(len(rows)), speedups, color=colors)
+    ax.set_yticks(range(len(rows)), labels)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
+    for bar, value, row in zip(bars, speedups, rows):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {_speedup(value)}  ({row['step_s'] * 1e3:.2f} ms)",
+                va="center", fontsize=8)
+    ax.set_xlim(0, max(speedups + [1.0]) * 1.35)
+    ax.set_xlabel("speed-up vs no passes (step latency of one forward; higher is better)")
+    note = ("CPU wall clock, indicative: fused kernels run in the Triton interpreter"
+            if result["timing"]["indicative"] else result["timing"]["method"])
+    ax.set_title(f"megafuse ablate: {result['config']} {result['target']} on {result['device']}, "
+                 f"{result['batch']} x {result['tokens']} tokens\n({note})", fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,369 @@
+"""What the compile tools (`run`, `ablate`, `inspect`) share.
+
+    model       a preset, a config JSON or a checkpoint directory            `load_model`
+    target      the whole model, or one block (`--layer N`) fed the inputs the whole model gives
+                it, captured with a forward pre-hook                          `target`
+    passes      `--passes all|none|a,b` and one `--no-<pass>` flag per registered pass, generated
+                from `passes.available()`: a pass that registers joins every tool unchanged
+                                                                             `add_pass_arguments`
+    compile     the one place the tools call `passes.compile` (static shapes, fullgraph; on CPU
+                Inductor also wraps each generated C++ kernel in a profiler record, so kernels
+                can be counted)                                              `compile_model`
+    lowering    the kernel module behind a canonical op: `megafuse::<name>` -> `lowering.<name>`,
+                with `source_path(spec)`, `load(spec, interpret)`, `KERNEL_NAME` and the
+                launcher `<name>(...)`                                        `lowering_module`
+    comparison  max abs error, cosine, top-1 agreement against eager         `compare_logits`
+    timing      CUDA events on CUDA; wall clock on CPU, marked indicative    `Stopwatch`
+    kernels     what one forward launches, from torch.profiler              `count_kernels`
+    progress    a spinner with elapsed time while a step runs, and a line when it ends  `step`
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import statistics
+import time
+import typing
+from pathlib import Path
+
+import torch
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from torch import nn
+
+import passes
+from model.checkpoint import load_checkpoint
+from model.config import DTYPES, QUANT_MODES, ModelConfig, resolve_config
+from model.transformer import Transformer, build_model
+
+from .output import console
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = REPO_ROOT / "model"
+PAD_ID = 0  # what fills the positions of a static sequence graph that are not yet decoded
+
+
+class ToolError(Exception):
+    """A usage error found after parsing (no CUDA, a layer out of range, an unknown kernel name):
+    the command line prints it and exits with status 2, like argparse."""
+
+
+# ------------------------------------------------------------------------------------------------
+# arguments
+# ------------------------------------------------------------------------------------------------
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, prompt_len: int) -> None:
+    parser.add_argument("--config", required=True,
+                        help="a preset (tiny, proxy, flash), a config JSON or a checkpoint directory")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", choices=DTYPES, help="override the config's dtype")
+    parser.add_argument("--quant", choices=QUANT_MODES, help="override the config's quant mode")
+    parser.add_argument("--prompt-len", type=int, default=prompt_len, metavar="T", help=f"tokens per request (default {prompt_len})")
+    parser.add_argument("--batch", type=int, default=1, metavar="B", help="requests (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the random prompt (default 0)")
+
+
+def _pass_selection(text: str) -> list[str]:
+    try:
+        return passes.registry.resolve(text)
+    except ValueError as e:  # "unknown pass 'x'; valid passes: ..."
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_pass_arguments(parser: argparse.ArgumentParser, what: str = "passes to enable") -> None:
+    """`--passes` and one `--no-<pass>` per registered pass (both spellings: dashes, underscores)."""
+    names = passes.available()
+    group = parser.add_argument_group("passes", f"registered, in the order they run: {', '.join(names) or '(none)'}")
+    group.add_argument("--passes", type=_pass_selection, default="all", metavar="all|none|a,b",
+                       help=f"{what}: all (default), none (plain Inductor) or a comma-separated list")
+    for name, description in passes.descriptions().items():
+        flags = dict.fromkeys((f"--no-{name.replace('_', '-')}", f"--no-{name}"))
+        group.add_argument(*flags, dest=f"no_{name}", action="store_true", help=f"disable {name} ({description})")
+
+
+def selected_passes(args: argparse.Namespace) -> list[str]:
+    """`--passes` minus every `--no-<pass>`, in registry order."""
+    chosen = args.passes if isinstance(args.passes, list) else passes.registry.resolve(args.passes)
+    return [n for n in chosen if not getattr(args, f"no_{n}", False)]
+
+
+def check_sizes(args: argparse.Namespace, **minimums: int) -> None:
+    """`check_sizes(args, batch=1)`: --batch must be >= 1, else a usage error."""
+    for name, minimum in minimums.items():
+        value = getattr(args, name)
+        if value < minimum:
+            raise ToolError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+
+
+# ------------------------------------------------------------------------------------------------
+# model, inputs, compile
+# ------------------------------------------------------------------------------------------------
+
+def load_model(args: argparse.Namespace) -> tuple[ModelConfig, Transformer]:
+    """The model `--config` names (preset, JSON, checkpoint directory), with --dtype/--quant applied."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ToolError("--device cuda: no CUDA device is available here; use --device cpu")
+    cfg = resolve_config(args.config)
+    overrides = {k: v for k, v in (("dtype", args.dtype), ("quant", args.quant)) if v}
+    cfg = cfg.replace(**overrides) if overrides else cfg
+    with step(f"building {cfg.name} ({cfg.dtype}, quant={cfg.quant}) on {args.device}", quiet=True):
+        if Path(args.config).is_dir():
+            model = load_checkpoint(args.config, device=args.device, cfg=cfg)
+        else:
+            model = build_model(cfg, seed=args.seed, device=args.device)
+    return cfg, model
+
+
+def random_ids(cfg: ModelConfig, batch: int, length: int, seed: int, device: str) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (batch, length), generator=generator).to(device)
+
+
+def compile_model(module: torch.nn.Module, names: list[str], device: str, dump_dir=None) -> passes.FusedModule:
+    """`passes.compile` as every tool uses it: static shapes, one graph, the given passes.
+
+    On CPU Inductor is asked to wrap each generated C++ kernel in a profiler record
+    (`cpp.enable_kernel_profile`), which is how `count_kernels` sees them; on CUDA its Triton
+    kernels are device events anyway. Compilation happens at the first call.
+    """
+    options = {"cpp.enable_kernel_profile": True} if device == "cpu" else {}
+    return passes.compile(module, passes=list(names), fullgraph=True, dynamic=False, dump_dir=dump_dir,
+                          options=options)
+
+
+def reset_compiler() -> None:
+    """Forget every compiled graph (between ablation configurations, so Dynamo's per-function
+    recompile limit never turns a later configuration into silent eager execution)."""
+    torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def step(message: str, quiet: bool = False):
+    """Show `message` with a spinner and the elapsed time while the block runs; then print how
+    long it took (unless quiet). The printed lines are the progress a log keeps."""
+    if not quiet:
+        console.print(f"[bold]{message}[/bold] ...")
+    start = time.perf_counter()
+    if console.is_terminal:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            progress.add_task(message, total=None)
+            yield
+    else:  # a log: the lines before and after are the progress
+        yield
+    if not quiet:
+        console.print(f"  done in {time.perf_counter() - start:.1f} s")
+
+
+# ------------------------------------------------------------------------------------------------
+# the target: the whole model, or one block with the inputs the model gives it (--layer N)
+# ------------------------------------------------------------------------------------------------
+
+class LayerHarness(nn.Module):
+    """One block of the model as a module of its own; `shared` is what earlier layers published."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, streams, pre, ids, positions, shared):
+        # two-level copy: the block publishes into `shared` (new entries and new keys of its own)
+        shared = {layer: dict(entries) for layer, entries in shared.items()}
+        return self.block(streams, pre, ids, positions, shared, None, None)
+
+
+class _Captured(Exception):
+    pass
+
+
+def layer_target(model, ids: torch.Tensor, layer: int) -> tuple[nn.Module, tuple]:
+    """(harness around model.layers[layer], its inputs on `ids`), captured by running the eager
+    model up to that block."""
+    n_layers = len(model.layers)
+    if not 0 <= layer < n_layers:
+        raise ToolError(f"--layer {layer}: the model has layers 0..{n_layers - 1}")
+    captured = {}
+
+    def hook(module, args):
+        streams, pre, ids_, positions, shared = args[:5]
+        captured["inputs"] = (streams.clone(), pre.clone(), ids_, positions,
+                              {k: dict(v) for k, v in shared.items()})
+        raise _Captured
+
+    handle = model.layers[layer].register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            model(ids)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    return LayerHarness(model.layers[layer]), captured["inputs"]
+
+
+def add_layer_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layer", type=int, metavar="N",
+                        help="compile only model.layers[N], fed the inputs the whole model gives it on the prompt")
+
+
+def target(model, ids: torch.Tensor, layer: int | None) -> tuple[nn.Module, tuple, str]:
+    """(module to compile, its inputs, "model" | "layer N")."""
+    if layer is None:
+        return model, (ids,), "model"
+    harness, inputs = layer_target(model, ids, layer)
+    return harness, inputs, f"layer {layer}"
+
+
+# ------------------------------------------------------------------------------------------------
+# lowering modules: from a canonical op to its generated kernel
+# ------------------------------------------------------------------------------------------------
+
+def lowering_module(op: str):
+    """`megafuse::<name>` -> the module `lowering.<name>` (None when there is none)."""
+    name = op.split("::", 1)[-1]
+    try:
+        return importlib.import_module(f"lowering.{name}")
+    except ModuleNotFoundError:
+        return None
+
+
+def spec_object(module, spec: dict):
+    """The FusionSpec dataclass of `module` (the type of `source_path`'s argument) built from a
+    match's spec dict; keys that are not fields (notes such as `left_unfused`) are dropped."""
+    hints = typing.get_type_hints(module.source_path)
+    cls = next(iter(v for k, v in hints.items() if k != "return"))
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in spec.items() if k in fields})
+
+
+def megafuse_kernel_names() -> dict[str, str]:
+    """Triton function name of every registered pass's kernel -> the pass (profiler matching)."""
+    names = {}
+    for name in passes.available():
+        module = lowering_module(passes.registry.get(name).op)
+        if module is not None and hasattr(module, "KERNEL_NAME"):
+            names[module.KERNEL_NAME] = name
+    return names
+
+
+# ------------------------------------------------------------------------------------------------
+# comparison and timing
+# ------------------------------------------------------------------------------------------------
+
+def compare_logits(ref: torch.Tensor, got: torch.Tensor) -> dict:
+    """Max abs error, cosine per position (min, mean) and top-1 agreement of `got` against `ref`
+    (both [..., vocab]); statistics in float64."""
+    ref = ref.detach().reshape(-1, ref.shape[-1]).double().cpu()
+    got = got.detach().reshape(-1, got.shape[-1]).double().cpu()
+    cosine = torch.nn.functional.cosine_similarity(got, ref, dim=-1, eps=1e-30)
+    return {
+        "positions": ref.shape[0],
+        "max_abs": (got - ref).abs().max().item(),
+        "cosine_min": cosine.min().item(),
+        "cosine_mean": cosine.mean().item(),
+        "top1_agreement": (got.argmax(-1) == ref.argmax(-1)).double().mean().item(),
+        "finite": bool(torch.isfinite(got).all()),
+    }
+
+
+def merge_metrics(parts: list[dict]) -> dict:
+    """One metrics dict over several (weighted by positions)."""
+    positions = sum(p["positions"] for p in parts)
+    return {
+        "positions": positions,
+        "max_abs": max(p["max_abs"] for p in parts),
+        "cosine_min": min(p["cosine_min"] for p in parts),
+        "cosine_mean": sum(p["cosine_mean"] * p["positions"] for p in parts) / positions,
+        "top1_agreement": sum(p["top1_agreement"] * p["positions"] for p in parts) / positions,
+        "finite": all(p["finite"] for p in parts),
+    }
+
+
+def timing_method(device: str) -> str:
+    if device == "cuda":
+        return "CUDA events (torch.cuda.Event) around each call: GPU time"
+    return "wall clock (time.perf_counter); indicative only on CPU, where Triton kernels run in the interpreter"
+
+
+class Stopwatch:
+    """Times one call: CUDA events on CUDA (the GPU's time from before the first launch to after
+    the last), `time.perf_counter` on CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+
+    def __call__(self, fn, *args):
+        """(fn(*args), seconds)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args)
+            end.record()
+            end.synchronize()
+            return out, start.elapsed_time(end) / 1e3
+        start = time.perf_counter()
+        out = fn(*args)
+        return out, time.perf_counter() - start
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels per forward
+# ------------------------------------------------------------------------------------------------
+
+KERNEL_COUNT_METHOD = {
+    "cuda": "torch.profiler CUDA activity: device kernel events during the profiled forwards (memcpy and "
+            "memset excluded), divided by the number of forwards; 'megafuse' = the generated fused "
+            "kernels, 'inductor' = Inductor's triton_* kernels, 'other' = cuBLAS, ATen and the rest",
+    "cpu": "torch.profiler CPU activity: the calls Inductor's compiled graph makes, i.e. the direct children "
+           "of its '## Call CompiledFxGraph' events: 'inductor' = generated C++ kernels (cpp_fused_*, "
+           "recorded through cpp.enable_kernel_profile), 'megafuse' = fused-op launches (megafuse::*_kernel, "
+           "one Triton kernel each, interpreted on CPU), 'other' = ATen extern calls (mm, bmm, sort, ...); "
+           "divided by the number of forwards",
+}
+
+
+def count_kernels(fn, inputs: tuple, device: str, forwards: int = 1) -> dict:
+    """What `forwards` calls of `fn(*inputs)` launch, per forward, by category (see
+    KERNEL_COUNT_METHOD for exactly what is counted on each device)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.no_grad(), profile(activities=activities) as prof:
+        for _ in range(forwards):
+            fn(*inputs)
+        if cuda:
+            torch.cuda.synchronize()
+    fused_names = megafuse_kernel_names()
+    counts = {"inductor": 0, "megafuse": 0, "other": 0}
+    if cuda:
+        for e in prof.events():
+            if e.device_type != DeviceType.CUDA or e.name.startswith(("Memcpy", "Memset")):
+                continue
+            kind = "megafuse" if e.name in fused_names else "inductor" if e.name.startswith("triton_") else "other"
+            counts[kind] += 1
+    else:
+        calls = [c for e in prof.events() if e.name.startswith("## Call CompiledFxGraph") for c in e.cpu_children]
+        for c in calls:
+            kind = ("megafuse" if c.name.startswith("megafuse::")
+                    else "inductor" if "cpp_fused" in c.name else "other")
+            counts[kind] += 1
+    per_forward = {k: v / forwards for k, v in counts.items()}
+    return {"total": sum(per_forward.values()), "by_kind": per_forward, "forwards": forwards,
+            "method": KERNEL_COUNT_METHOD[device]}
+
+
+def display_path(path: str | Path, root: Path | None = None) -> str:
+    """A path relative to `root` (default: the working directory) when it lies under it."""
+    try:
+        return str(Path(path).resolve().relative_to((root or Path.cwd()).resolve()))
+    except ValueError:
+        return str(path)
