@@ -976,13 +976,15 @@ def _check(name, t, shape, dtypes, device):
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"mega_mhc: {name} must be {list(shape)}, got {list(t.shape)}")
     if t.dtype not in dtypes:
-        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        names = " or ".join(dict.fromkeys(str(d).replace("torch.", "") for d in dtypes))
         raise ValueError(f"mega_mhc: {name} dtype {str(t.dtype).replace('torch.', '')} must be {names}")
     if t.device != device:
         raise ValueError(f"mega_mhc: {name} is on {t.device}, streams on {device}")
 
 
-def _validate(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec):
+def validate(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec):
+    """Raise ValueError naming the first input the kernel cannot take (shape, dtype, device). The
+    pass runs it on a match's fake tensors, so what a launch would refuse stays unfused instead."""
     reason = unsupported_reason(spec)
     if reason:
         raise ValueError(f"mega_mhc: unsupported spec: {reason}")
@@ -996,7 +998,9 @@ def _validate(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight,
                          f"{spec.stream_dtype}")
     T, device, f32 = streams.shape[0], streams.device, (torch.float32,)
     if spec.has_post:
-        _check("y", y, (T, D), (sdtype, torch.float32), device)
+        # y is read once and widened to fp32, so its dtype need not be the streams' (torch 2.11 folds
+        # a bf16 model's last X' round trip away, leaving fp32 streams with a bf16 y)
+        _check("y", y, (T, D), tuple(DTYPES.values()), device)
         _check("post", post, (T, n), f32, device)
         _check("comb", comb, (T, n, n), f32, device)
     if spec.pre == "carried":
@@ -1055,7 +1059,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     optionally supplies the five output tensors (None where the spec has no such output; tests and
     benchmarks poison them to prove every element is written). Inputs are never modified.
     """
-    _validate(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)
+    validate(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)
     n, D = spec.n, spec.dim
     T, device = streams.shape[0], streams.device
     sdtype = DTYPES[spec.stream_dtype]

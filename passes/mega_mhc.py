@@ -37,9 +37,9 @@ import torch.fx as fx
 
 from lowering import mega_mhc as mhc_kernels
 
-from .ops import mhc_fake
+from .ops import mhc_fake, mhc_unsupported
 from .base import Candidate, FusionPass, NoMatch
-from .graph import aten, dtype, is_convert, is_op, only_users_in, rank, scalar, strip, val
+from .graph import aten, dtype, is_convert, is_last_dim, is_op, only_users_in, prims, rank, scalar, strip, val
 from .registry import register
 
 LAYOUT = (aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze, aten.permute,
@@ -127,17 +127,38 @@ def _only_user(node, *packets):
     return users[0]
 
 
+def _softmax(start: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """softmax over the last dim of `start`, in either of the forms Inductor decomposes it to:
+    amax, sub, exp, sum, div; or, where its online-softmax rewrite runs (Triton on CUDA),
+    prims.prepare_softmax_online -> (max, sum), sub, exp, div."""
+    online = [u for u in start.users if is_op(u, prims.prepare_softmax_online)]
+    if not online:
+        amax = _only_user(start, aten.amax)
+        sub = _only_user(amax, aten.sub)
+        exp = _only_user(sub, aten.exp)
+        total = _only_user(exp, aten.sum)
+        soft = _only_user(total, aten.div)
+        return soft, [amax, sub, exp, total, soft]
+    if len(online) != 1 or not is_last_dim(online[0].args[1], start):
+        raise NoMatch(f"{start.name}: expected one online softmax over the last dim")
+    prepare = online[0]
+    items = {u.args[1]: u for u in prepare.users if u.target is operator.getitem}
+    if set(items) != {0, 1}:
+        raise NoMatch(f"{prepare.name}: the online softmax's max and sum are not both used")
+    sub = _only_user(items[0], aten.sub)
+    exp = _only_user(sub, aten.exp)
+    soft = _only_user(exp, aten.div)
+    if sub.args[0] is not start or soft.args[1] is not items[1]:
+        raise NoMatch(f"{prepare.name}: not exp(x - max) / sum")
+    return soft, [prepare, items[0], items[1], sub, exp, soft]
+
+
 def _sinkhorn(start: fx.Node) -> tuple[fx.Node, float, int, list[fx.Node]]:
     """softmax(-1) + eps, then alternating column / row divisions by (sum + eps), ending on columns."""
-    # decomposed softmax over the last dim
-    amax = _only_user(start, aten.amax)
-    sub = _only_user(amax, aten.sub)
-    exp = _only_user(sub, aten.exp)
-    total = _only_user(exp, aten.sum)
-    soft = _only_user(total, aten.div)
+    soft, nodes = _softmax(start)
     plus = _only_user(soft, aten.add)
     eps = scalar(plus.args[1])
-    nodes = [amax, sub, exp, total, soft, plus]
+    nodes.append(plus)
     current, normalisations, expect = plus, 0, -2
     while True:
         sums = [u for u in current.users if is_op(u, aten.sum) and list(u.args[1]) == [expect]]
@@ -373,6 +394,14 @@ def _match_collapse(stream: fx.Node):
     return None
 
 
+def _op_args(candidate: Candidate) -> tuple:
+    """megafuse::mega_mhc's arguments for a candidate (graph nodes and the spec's scalars)."""
+    s, i = candidate.spec, candidate.inputs
+    return (i["streams"], i["y"], i["post"], i["comb"], i["carried_pre"], i["fn"], i["base"], i["scale"],
+            i["norm_weight"], s["sinkhorn_iters"], s["hc_eps"], s["stat_eps"], s["norm_eps"], s["has_post"],
+            s["has_coefficients"], s["pre"])
+
+
 @register
 class MegaMhcPass(FusionPass):
     name = "mega_mhc"
@@ -488,13 +517,17 @@ class MegaMhcPass(FusionPass):
 
     def check(self, candidate: Candidate) -> str | None:
         spec = {k: v for k, v in candidate.spec.items() if k != "left_unfused"}
-        return mhc_kernels.unsupported_reason(mhc_kernels.MhcSpec(**spec))
+        reason = mhc_kernels.unsupported_reason(mhc_kernels.MhcSpec(**spec))
+        if reason is None:
+            # The launch's own input checks, on the fake tensors. E.g. a bf16 model's last post: when
+            # only the final collapse reads X', Inductor drops X''s rounding to bf16 (it removes
+            # convert pairs), so the seam has fp32 streams but a bf16 y, which the kernel does not take.
+            reason = mhc_unsupported(*(val(a) if isinstance(a, fx.Node) else a for a in _op_args(candidate)))
+        return reason
 
     def rewrite(self, graph: fx.Graph, candidate: Candidate) -> fx.Node:
-        s, i, outs = candidate.spec, candidate.inputs, candidate.outputs
-        args = (i["streams"], i["y"], i["post"], i["comb"], i["carried_pre"], i["fn"], i["base"], i["scale"],
-                i["norm_weight"], s["sinkhorn_iters"], s["hc_eps"], s["stat_eps"], s["norm_eps"], s["has_post"],
-                s["has_coefficients"], s["pre"])
+        outs = candidate.outputs
+        args = _op_args(candidate)
         with graph.inserting_before(candidate.insert_before):
             fused = graph.call_function(torch.ops.megafuse.mega_mhc.default, args)
             fused.meta["val"] = mhc_fake(*(val(a) if isinstance(a, fx.Node) else a for a in args))

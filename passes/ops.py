@@ -93,6 +93,18 @@ def _run_mhc(impl, streams, y, post, comb, carried_pre, fn, base, scale, norm_we
     return tuple(streams.new_empty(0) if t is None else t.reshape(*lead, *shape) for t, shape in zip(out, shapes))
 
 
+def mhc_unsupported(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps,
+                    stat_eps, norm_eps, has_post, has_coefficients, pre_mode) -> str | None:
+    """Why the kernel launch would refuse these inputs (fake tensors will do), or None."""
+    spec = mhc_spec(streams, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode)
+    try:
+        mhc_kernels.validate(_flat(streams, 2), _flat(y, 1), _flat(post, 1), _flat(comb, 2), _flat(carried_pre, 1),
+                             fn, base, scale, norm_weight, spec)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 @torch.library.custom_op("megafuse::mega_mhc", mutates_args=())
 def mega_mhc(streams: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor | None, comb: torch.Tensor | None,
              carried_pre: torch.Tensor | None, fn: torch.Tensor | None, base: torch.Tensor | None,

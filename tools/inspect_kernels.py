@@ -381,6 +381,8 @@ def _main(args: argparse.Namespace) -> int:
 def _seconds(s) -> str:
     if s is None:
         return "-"
+    if s < 1e-6:  # a tiny model's memory floor is nanoseconds
+        return f"{s * 1e9:.1f} ns"
     return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
 
 
@@ -412,7 +414,7 @@ def _triton_table(result: dict) -> Table:
             table.add_row(k["name"] if first else "", cell("n_regs"), cell("n_spills"), cell("shared_bytes"),
                           cell("num_warps"), cell("num_stages"), _seconds(k["time"]["per_launch_s"]) if first else "",
                           _seconds(k["floor_s"]) if first else "",
-                          ("n/a" if k["floor_fraction"] is None else f"{k['floor_fraction']:.2f}") if first else "")
+                          ("n/a" if k["floor_fraction"] is None else f"{k['floor_fraction']:.2g}") if first else "")
     return table
 
 

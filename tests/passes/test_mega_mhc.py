@@ -10,6 +10,7 @@ import passes
 from model import build_model, preset
 from model.layers import RMSNorm
 from model.mhc import HyperConnection, hc_post, hc_pre
+from tests.passes.online_softmax import ONLINE_SOFTMAX
 
 N, D = 4, 64
 
@@ -53,11 +54,13 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("form", ["delayed", "first", "engram", "final", "fresh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_seam_form_matches_and_equals_the_chain(tmp_path, form, dtype):
+@pytest.mark.parametrize("softmax", ["decomposed", "online"])
+def test_every_seam_form_matches_and_equals_the_chain(tmp_path, form, dtype, softmax):
     module = Seam(form, dtype)
     args = _inputs(7, dtype)
     torch._dynamo.reset()
-    fused = passes.compile(module, passes=["mega_mhc"], dump_dir=tmp_path, fullgraph=True)
+    options = ONLINE_SOFTMAX if softmax == "online" else {}  # the graph CUDA gives the pass
+    fused = passes.compile(module, passes=["mega_mhc"], dump_dir=tmp_path, fullgraph=True, options=options)
     out = fused(*args)
     ref = module(*args)
     assert fused.report.counts() == {"mega_mhc": 1}, fused.report.rejections("mega_mhc")
@@ -69,8 +72,10 @@ def test_every_seam_form_matches_and_equals_the_chain(tmp_path, form, dtype):
         assert "stays unfused" in spec["left_unfused"][0]
     if spec["has_coefficients"]:
         assert spec["sinkhorn_iters"] == 20 and spec["hc_eps"] == 1e-6
+    before = (tmp_path / "graph000_mega_mhc_before.txt").read_text()
+    assert before.count("prims.prepare_softmax_online") == (softmax == "online" and form != "final")
     after = (tmp_path / "graph000_mega_mhc_after.txt").read_text()
-    for gone in ("aten.rsqrt", "aten.sigmoid", "aten.bmm"):
+    for gone in ("aten.rsqrt", "aten.sigmoid", "aten.bmm", "aten.amax", "prepare_softmax_online"):
         if form != "engram" or gone != "aten.bmm":
             assert gone not in after, gone
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -91,6 +96,28 @@ def test_a_plain_residual_add_is_not_a_seam(tmp_path):
     fused = passes.compile(NotASeam(), passes=["mega_mhc"], fullgraph=True)
     fused(torch.randn(3, N, D), torch.randn(3, D))
     assert fused.report.counts() == {"mega_mhc": 0}
+
+
+@pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float16])
+def test_a_seam_whose_y_is_narrower_than_its_streams(y_dtype):
+    # torch 2.11 folds X''s round trip through bf16 away when only an upcast reads it (Inductor's
+    # pointless_convert; 2.13 keeps narrowing round trips), which leaves the proxy model's final
+    # collapse with fp32 streams and a bf16 y: seen on the H200. The kernel widens y from either
+    # dtype it takes; one it does not (fp16) stays unfused, with the launcher's own reason.
+    module = Seam("final", torch.float32)
+    X, y, post, comb, carried = _inputs(7, torch.float32)
+    args = (X, y.to(y_dtype), post, comb, carried)
+    torch._dynamo.reset()
+    fused = passes.compile(module, passes=["mega_mhc"], fullgraph=True)
+    out = fused(*args)
+    if y_dtype == torch.bfloat16:
+        assert fused.report.counts() == {"mega_mhc": 1}
+    else:
+        assert fused.report.counts() == {"mega_mhc": 0}
+        (rejection,) = fused.report.rejections("mega_mhc")
+        assert "y dtype float16 must be float32 or bfloat16" in rejection.reason, rejection.reason
+    for got, want in zip(out, module(*args)):
+        assert _rel(got, want) <= 1e-5
 
 
 def test_tiny_every_site_and_the_final_collapse(tmp_path):
@@ -116,6 +143,22 @@ def test_tiny_every_site_and_the_final_collapse(tmp_path):
     torch._dynamo.reset()
     unfused = passes.compile(model, passes="none", fullgraph=True)(ids)
     assert (logits - unfused).abs().max().item() <= 1e-4
+
+
+def test_tiny_with_cudas_online_softmax_every_site_still_fuses(tmp_path):
+    # On CUDA, Inductor rewrites each Sinkhorn's softmax into prims.prepare_softmax_online before
+    # the passes run; on the H200 that once left 24 of tiny's 25 seams unfused.
+    cfg = preset("tiny").replace(quant="none")
+    model = build_model(cfg, seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    fused = passes.compile(model, passes=["mega_mhc"], dump_dir=tmp_path, fullgraph=True, options=ONLINE_SOFTMAX)
+    logits = fused(ids)
+    before = (tmp_path / "graph000_mega_mhc_before.txt").read_text()
+    assert before.count("prims.prepare_softmax_online.default](") == 2 * cfg.n_layers  # one per site
+    assert fused.report.counts() == {"mega_mhc": 2 * cfg.n_layers + 1}, fused.report.rejections("mega_mhc")
+    assert "prepare_softmax_online" not in (tmp_path / "graph000_mega_mhc_after.txt").read_text()
+    assert (logits - model(ids)).abs().max().item() <= 1e-4
 
 
 hf = pytest.importorskip("transformers")
