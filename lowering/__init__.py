@@ -5,6 +5,10 @@
                    (interpreter for CPU tensors, compiler for CUDA tensors)
     mega_gate      GateSpec -> the Mega-Gate kernel (gate GEMM + scoring + bias + top-k + gather +
                    renormalise + scale in one launch), its launcher and its torch reference
+    mega_mhc       MhcSpec -> the Mega-mHC kernel (post + coefficients + Sinkhorn + pre + RMSNorm in
+                   one launch), its launcher and its torch reference
+    offline        build a launcher's kernel for a GPU that is not here (sm_90 by default): PTX,
+                   cubin, registers, spills, shared memory, from CPU tensors
 
 Every generator here follows the same shape: a frozen spec with `key()` and `describe()`,
 `unsupported_reason(spec)` for the pass report, `generate_source(spec)` from a template in the

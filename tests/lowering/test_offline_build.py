@@ -1,0 +1,74 @@
+"""Every generated kernel builds for Hopper (sm_90) on a machine without a GPU.
+
+The CPU tests run the kernels in Triton's interpreter, which never meets the compiler; these build
+the same sources with the launch configurations the H200 uses, to PTX and a cubin (Triton's
+ahead-of-time path, its bundled ptxas; `lowering/offline.py`), and check what a launch needs:
+shared memory within an SM's limit and no register spills (the kernels keep their tiles in
+registers by design; the H200's own builds report none: results/tools/inspect_proxy.json).
+"""
+
+import pytest
+import torch
+
+from lowering import mega_mhc, offline
+from tools import hopper_builds
+
+
+def _check(build: offline.Build):
+    assert build.target == "cuda sm_90"
+    assert build.cubin and ".target sm_90" in build.ptx
+    assert 0 <= build.shared_bytes <= offline.HOPPER_SMEM_PER_BLOCK
+    assert build.stack_bytes == 0, f"{build.name}: {build.stack_bytes} B of stack / local memory per thread (spills)"
+    assert build.registers is not None and build.registers <= 255
+    assert build.constexprs["INTERPRETED"] is False  # the compiler's branches were built
+
+
+@pytest.mark.parametrize("T", hopper_builds.TOKENS)  # both mhc variants, every gate band
+@pytest.mark.parametrize("form", hopper_builds.MHC_FORMS)
+def test_mega_mhc_builds_for_hopper(form, T):
+    build = hopper_builds.build_mhc(form, T)
+    _check(build)
+    spec = hopper_builds.mhc_spec(form)
+    config = mega_mhc.choose_config(spec, T, device="cuda")
+    assert build.grid == (mega_mhc._plan(spec, config, T)["n_jobs"],)
+    assert build.constexprs["TILE_T"] == config.tile_t and build.num_warps == config.num_warps
+
+
+@pytest.mark.parametrize("T", hopper_builds.TOKENS)
+@pytest.mark.parametrize("input_dtype", hopper_builds.GATE_INPUTS)
+def test_mega_gate_builds_for_hopper(input_dtype, T):
+    build = hopper_builds.build_gate(input_dtype, T)
+    _check(build)
+    assert build.constexprs["BLOCK_T"] == hopper_builds.mega_gate.choose_config(
+        hopper_builds.gate_spec(input_dtype), T, device="cuda").block_t
+
+
+def test_the_build_is_specialised_like_a_launch():
+    # ints equal to 1 become constexprs, 16-divisible pointers and ints carry that divisibility (as
+    # Triton's launcher does: without it no 16-byte vector access is allowed), do_not_specialize
+    # arguments stay plain; the interpreter's branches are never the ones built
+    spec = hopper_builds.mhc_spec("delayed")
+    f32 = dict(dtype=torch.float32)
+    D, N = spec.dim, spec.n
+    inputs = (torch.zeros(1, N, D, dtype=torch.bfloat16), torch.zeros(1, D, dtype=torch.bfloat16),
+              torch.zeros(1, N, **f32), torch.zeros(1, N, N, **f32), torch.zeros(1, N, **f32),
+              torch.zeros(spec.width(), N * D, **f32), torch.zeros(spec.width(), **f32), torch.zeros(3, **f32),
+              torch.ones(D, **f32))
+    with offline._recording(mega_mhc) as recorders:
+        mega_mhc.mega_mhc(*inputs, spec, config=mega_mhc.choose_config(spec, 1, device="cuda"))
+    ((grid, args, kwargs),) = recorders[0].calls
+    kernel = recorders[0].kernel
+    backend = offline.make_backend(offline.HOPPER)
+    signature, constexprs, attrs, options = offline._signature(kernel, args, kwargs, backend)
+    names = kernel.arg_names
+    assert signature["x_ptr"] == "*bf16" and signature["fn_ptr"] == "*fp32" and signature["sync_ptr"] == "*i32"
+    assert (names.index("x_ptr"),) in attrs  # a fresh torch tensor is 64-byte aligned
+    assert signature["T"] == "i32" and (names.index("T"),) not in attrs  # T == 1, but do_not_specialize
+    assert constexprs["INTERPRETED"] is False and signature["INTERPRETED"] == "constexpr"
+    assert options == {"num_warps": kwargs["num_warps"], "num_stages": kwargs["num_stages"]}
+    assert signature["stride_xk"] == "i32" and (names.index("stride_xk"),) in attrs  # D = 5120 = 16 * 320
+    assert (names.index("stride_post"),) not in attrs  # n = 4
+    strided = list(args)
+    strided[names.index("stride_post")] = 1  # a stride of 1 is compiled in
+    signature, constexprs, _, _ = offline._signature(kernel, tuple(strided), kwargs, backend)
+    assert signature["stride_post"] == "constexpr" and constexprs["stride_post"] == 1
