@@ -10,8 +10,9 @@
                 Inductor also wraps each generated C++ kernel in a profiler record, so kernels
                 can be counted)                                              `compile_model`
     lowering    the kernel module behind a canonical op: `megafuse::<name>` -> `lowering.<name>`,
-                with `source_path(spec)`, `load(spec, interpret)`, `KERNEL_NAME` and the
-                launcher `<name>(...)`                                        `lowering_module`
+                with `source_path(spec)`, `load(spec, interpret)`, `KERNEL_NAME`,
+                `choose_config(spec, n_tokens, device=)` and the launcher `<name>(...)`, which
+                takes the token-major tensor first and accepts `config=`  `lowering_module`
     comparison  max abs error, cosine, top-1 agreement against eager         `compare_logits`
     timing      CUDA events on CUDA; wall clock on CPU, marked indicative    `Stopwatch`
     kernels     what one forward launches, from torch.profiler              `count_kernels`

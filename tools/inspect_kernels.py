@@ -22,6 +22,10 @@ same kernel (identical layers share it). For each kernel:
                         a lower bound); not available for a device without a bandwidth figure
     triton              CUDA: registers, spills, shared memory, warps and stages of each compiled
                         variant, from the CompiledKernel a launch returns
+    hopper_build        CPU: the same kernel built ahead of time for sm_90 (`lowering.offline`) with
+                        the launch configuration the GPU would choose for this launch's tokens:
+                        registers, stack / local bytes (spills), shared memory, warps, stages,
+                        programs; a build, not a measurement (this machine's Triton)
 
 How launches are observed: for one forward, each involved lowering module's launcher
 (`lowering.<op>.<op>`) and `load(spec, interpret)` are wrapped (and restored after), so every
@@ -50,7 +54,9 @@ JSON (`--json PATH`, and DIR/index.json), schema "megafuse.inspect/1":
                       bytes_per_launch: int | null, floor_s: float | null, floor_fraction: float | null,
                       floor_note: str,
                       triton: [{n_regs, n_spills, shared_bytes, num_warps, num_stages}] | null,
-                      triton_note: str}]
+                      triton_note: str,
+                      hopper_build: {target, registers, stack_bytes, shared_bytes, num_warps, num_stages,
+                                     programs, config: {...}} | {note: str} | null   (CPU only)}]
     graphs          [str]   dumped graph files (under --out), else []
     environment     {date, python, torch, triton, device}
 """
@@ -70,6 +76,8 @@ from pathlib import Path
 import torch
 from rich.syntax import Syntax
 from rich.table import Table
+
+from lowering import offline
 
 from . import common
 from .common import ToolError, display_path, step
@@ -133,7 +141,7 @@ def _entry(name, pass_name, match, key, source, attr) -> dict:
             "source": source, "kernel_attr": attr, "copied_source": None, "sites": [], "model_sources": [],
             "launches_per_forward": None, "time": {"method": None, "per_launch_s": None},
             "bytes_per_launch": None, "floor_s": None, "floor_fraction": None, "floor_note": "",
-            "triton": None, "triton_note": ""}
+            "triton": None, "triton_note": "", "hopper_build": None}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -180,9 +188,10 @@ class _CapturingKernel:
 
 @contextlib.contextmanager
 def observe_launches(ops: list[str]):
-    """Wrap the launcher and `load` of each op's lowering module; yields (launches, compiled):
-    launches = [{op, key, bytes, wall_s}] in launch order, compiled = {spec key: {id: CompiledKernel}}."""
-    launches, compiled, restore = [], {}, []
+    """Wrap the launcher and `load` of each op's lowering module; yields (launches, compiled, first):
+    launches = [{op, key, bytes, wall_s}] in launch order, compiled = {spec key: {id: CompiledKernel}},
+    first = {spec key: (op, launcher, args, kwargs)} of the first launch of each spec."""
+    launches, compiled, first, restore = [], {}, {}, []
     for op in dict.fromkeys(ops):
         module = common.lowering_module(op)
         name = op.split("::")[-1]
@@ -195,8 +204,10 @@ def observe_launches(ops: list[str]):
             start = time.perf_counter()
             out = _launcher(*args, **kwargs)
             wall = time.perf_counter() - start
-            launches.append({"op": _op, "key": spec.key() if spec is not None else None,
+            key = spec.key() if spec is not None else None
+            launches.append({"op": _op, "key": key,
                              "bytes": _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out), "wall_s": wall})
+            first.setdefault(key, (_op, _launcher, args, kwargs))
             return out
 
         def wrapped_load(spec, *args, _load=load, **kwargs):
@@ -208,10 +219,25 @@ def observe_launches(ops: list[str]):
         setattr(module, name, wrapped_launcher)
         module.load = wrapped_load
     try:
-        yield launches, compiled
+        yield launches, compiled, first
     finally:
         for module, attr, original in restore:
             setattr(module, attr, original)
+
+
+def _hopper_build(op: str, launcher, args: tuple, kwargs: dict) -> dict:
+    """The kernel of this launch as an H200 would build it (`lowering.offline`): the GPU's launch
+    configuration for the same tokens (launchers take the token-major tensor first)."""
+    module = common.lowering_module(op)
+    spec = next(a for a in (*args, *kwargs.values()) if dataclasses.is_dataclass(a) and hasattr(a, "key"))
+    config = module.choose_config(spec, args[0].shape[0], device="cuda")
+    try:
+        (build,) = offline.build_launch(module, launcher, *args, **{**kwargs, "config": config})
+    except Exception as e:  # e.g. a Triton without its bundled ptxas: say so; the rest of inspect stands
+        return {"note": f"not available: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    return {"target": build.target, "registers": build.registers, "stack_bytes": build.stack_bytes,
+            "shared_bytes": build.shared_bytes, "num_warps": build.num_warps, "num_stages": build.num_stages,
+            "programs": build.grid[0], "config": dataclasses.asdict(config)}
 
 
 def _triton_metadata(kernel) -> dict:
@@ -225,7 +251,7 @@ def measure(fused, inputs: tuple, kernels: list[dict], device: str, repeat: int)
     """Fill each kernel's launches, time, floor and Triton metadata (see the module docstring)."""
     ops = [k["op"] for k in kernels]
     by_key = {k["spec_key"]: k for k in kernels if k["spec_key"]}
-    with torch.no_grad(), observe_launches(ops) as (launches, compiled):
+    with torch.no_grad(), observe_launches(ops) as (launches, compiled, first):
         if device == "cuda":
             from torch.autograd import DeviceType
             from torch.profiler import ProfilerActivity, profile
@@ -289,6 +315,7 @@ def measure(fused, inputs: tuple, kernels: list[dict], device: str, repeat: int)
             entry["time"] = {"method": "wall time per launch in the Triton interpreter (CPU), indicative only",
                              "per_launch_s": sum(l["wall_s"] for l in mine) / len(mine)}
             entry["triton_note"] = "not available on CPU: the Triton interpreter compiles nothing"
+            entry["hopper_build"] = _hopper_build(*first[key])
             entry["floor_note"] = "not available on CPU"
 
 
@@ -350,8 +377,7 @@ def _main(args: argparse.Namespace) -> int:
     shown = find_kernel(kernels, args.show) if args.show else None
     console.print(report.table())
     console.print(_table(result))
-    if args.device == "cuda":
-        console.print(_triton_table(result))
+    console.print(_triton_table(result) if args.device == "cuda" else _hopper_table(result))
     _details(result)
     if out is not None:
         sources = out / "sources"
@@ -415,6 +441,22 @@ def _triton_table(result: dict) -> Table:
                           cell("num_warps"), cell("num_stages"), _seconds(k["time"]["per_launch_s"]) if first else "",
                           _seconds(k["floor_s"]) if first else "",
                           ("n/a" if k["floor_fraction"] is None else f"{k['floor_fraction']:.2g}") if first else "")
+    return table
+
+
+def _hopper_table(result: dict) -> Table:
+    """CPU only: each kernel built for sm_90 with the GPU's launch configuration (no timings)."""
+    table = Table(title="built for sm_90 without a GPU (the GPU's launch configuration)")
+    table.add_column("kernel", no_wrap=True)
+    for col in ("programs", "regs", "stack/local B", "smem B", "warps", "stages"):
+        table.add_column(col, justify="right")
+    for k in result["kernels"]:
+        build = k["hopper_build"] or {"note": "no launch observed"}
+        if "note" in build:
+            table.add_row(k["name"], build["note"], "", "", "", "", "")
+            continue
+        table.add_row(k["name"], *(str(build[f]) for f in ("programs", "registers", "stack_bytes", "shared_bytes",
+                                                            "num_warps", "num_stages")))
     return table
 
 

@@ -15,7 +15,7 @@ INSPECT_KEYS = {"schema", "config", "dtype", "quant", "device", "target", "batch
                 "counts", "report", "kernels", "graphs", "environment"}
 KERNEL_KEYS = {"name", "pass", "op", "spec", "spec_key", "source", "kernel_attr", "copied_source", "sites",
                "model_sources", "launches_per_forward", "time", "bytes_per_launch", "floor_s", "floor_fraction",
-               "floor_note", "triton", "triton_note"}
+               "floor_note", "triton", "triton_note", "hopper_build"}
 
 
 def _check_model_sources(kernels):
@@ -52,6 +52,10 @@ def test_inspect_out_writes_index_sources_and_graphs(tmp_path, cached_compiles, 
         assert k["op"] == f"megafuse::{k['pass']}" and k["spec_key"] in k["name"]
         assert k["launches_per_forward"] == len(k["sites"]) and k["time"]["per_launch_s"] > 0
         assert k["triton"] is None and "not available on CPU" in k["triton_note"]
+        # ... but the kernel is built for the H200 ahead of time, as the GPU would launch it
+        build = k["hopper_build"]
+        assert build["target"] == "cuda sm_90" and build["registers"] > 0 and build["stack_bytes"] == 0
+        assert build["programs"] >= 1 and build["num_warps"] == build["config"]["num_warps"]
         # the copy is the generated source, and it imports (so its @triton.jit functions build)
         # under the Triton interpreter and compiles as Python
         copy = Path(k["copied_source"])
