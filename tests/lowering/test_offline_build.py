@@ -72,3 +72,16 @@ def test_the_build_is_specialised_like_a_launch():
     strided[names.index("stride_post")] = 1  # a stride of 1 is compiled in
     signature, constexprs, _, _ = offline._signature(kernel, tuple(strided), kwargs, backend)
     assert signature["stride_post"] == "constexpr" and constexprs["stride_post"] == 1
+
+
+def test_programs_per_sm_is_the_tightest_hopper_limit():
+    def build(registers, warps, smem):
+        return offline.Build("k", "cuda sm_90", (1,), {}, warps, 2, smem, registers, 0, "", b"")
+
+    # 244 registers -> 7936 per warp (31 units of 256); 4 warps -> 31744: two programs' worth of 65536
+    assert build(244, 4, 10240).programs_per_sm() == 2
+    assert build(162, 4, 5120).programs_per_sm() == 3  # 5376 per warp -> 21504 per program
+    assert build(32, 4, 200 * 1024).programs_per_sm() == 1  # shared memory binds: 228 KB / 201 KB
+    assert build(32, 4, 0).programs_per_sm() == 16  # warps bind: 64 / 4
+    assert build(16, 1, 0).programs_per_sm() == 32  # the block limit
+    assert build(None, 4, 0).programs_per_sm() is None
