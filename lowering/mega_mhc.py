@@ -37,7 +37,9 @@ organised around moving those bytes once:
   (2+n)n rows padded to SLOT), collapse it with the carried pre, round the collapse and *park* it
   in u, add its squares to the norm statistic. The next chunk's inputs (y, X, fn's block) are
   loaded before the current one is computed (register double-buffering). fn's block is read once
-  per token tile, not per token.
+  per token tile, not per token. `LaunchConfig.pipeline_stages` (off in every tuned row) instead
+  leaves the loads in a `tl.range` loop that Triton pipelines through shared memory, so more
+  chunks are in flight and fewer registers are used (see LaunchConfig). It is not timed yet.
 * The coefficients need the whole row: the tile's partial sums ((2+n)n projections, sum X'^2,
   sum c^2) meet in one fp32 accumulator row per token (plain stores when one job covers D, fp32
   atomics when D is split). The program that completes the tile reads them as [TILE_T] vectors and
@@ -320,7 +322,7 @@ $LOAD_LINES
 def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, xo_ptr, u_ptr, acc_ptr,
              T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
              tile, c_begin, c_end, TILE_T: tl.constexpr, BLOCK_D: tl.constexpr,
-             ATOMIC: tl.constexpr, INTERPRETED: tl.constexpr):
+             ATOMIC: tl.constexpr, PIPELINE_STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     """Stage A for token tile `tile` over chunks [c_begin, c_end) of D: store X' (and the parked,
     unnormalised carried collapse), and add the partial sums into the tile's accumulator row
     [TILE_T, SLOT]: the (2+n)n projections, sum X'^2 (SUMSQ_COL), sum c^2 (CSQ_COL); with atomics
@@ -343,28 +345,22 @@ $PRE_LOADS
     acc = tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32)
     sumsq = tl.full([TILE_T], 0.0, dtype=tl.float32)
     csq = tl.full([TILE_T], 0.0, dtype=tl.float32)
-    $NEXT_NAMES = _load_chunk(
-        x_ptr, y_ptr, fn_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, c_begin, c_end, BLOCK_D)
-    for chunk in range(c_begin, c_end):
-        $CUR_NAMES = $NEXT_NAMES
+    if PIPELINE_STAGES > 0:
+        # loads inside the loop; Triton's pipeliner keeps PIPELINE_STAGES - 1 chunks in flight
+        # through shared memory (cp.async), not in registers
+        for chunk in tl.range(c_begin, c_end, num_stages=PIPELINE_STAGES):
+            $CUR_NAMES = _load_chunk(
+                x_ptr, y_ptr, fn_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk, c_end, BLOCK_D)
+$PIPELINED_BODY
+    else:
+        # register double-buffering: the next chunk's loads are issued before this one is computed
         $NEXT_NAMES = _load_chunk(
-            x_ptr, y_ptr, fn_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk + 1, c_end, BLOCK_D)
-        d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
-        ok = row_ok[:, None] & (d < D)[None, :]  # [TILE_T, BLOCK_D]
-        if HAS_POST:
-$POST_LINES
-        # every later step reads the rounded X', like the reference
-$F32_LINES
-        if HAS_COEFFS:
-            sumsq += tl.reduce($SUMSQ_EXPR, 1, _add)
-$PROJECT_LINES
-        if not FRESH:
-            # hc_pre with the carried pre, rounded like the reference; parked in u until the
-            # norm's statistic (the whole row) is known
-            collapsed = _round($COLLAPSE_EXPR, INTERPRETED)
-            tl.store(u_ptr + rows64[:, None] * D + d[None, :], collapsed, mask=ok)
-            cf = collapsed.to(tl.float32)
-            csq += tl.reduce(cf * cf, 1, _add)
+            x_ptr, y_ptr, fn_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, c_begin, c_end, BLOCK_D)
+        for chunk in range(c_begin, c_end):
+            $CUR_NAMES = $NEXT_NAMES
+            $NEXT_NAMES = _load_chunk(
+                x_ptr, y_ptr, fn_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk + 1, c_end, BLOCK_D)
+$BUFFERED_BODY
     cols = tl.arange(0, SLOT)[None, :]
     part = tl.where(cols == SUMSQ_COL, sumsq[:, None], tl.where(cols == CSQ_COL, csq[:, None], acc))
     offs = rows64[:, None] * SLOT + cols
@@ -492,8 +488,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, base_ptr
                     T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre, n_tiles,
                     TILE_T: tl.constexpr, BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr,
                     SPLIT_CHUNKS: tl.constexpr, N_SPLITS: tl.constexpr, R_BLOCK: tl.constexpr,
-                    R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr,
-                    MAX_SPINS: tl.constexpr):
+                    R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
+                    INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr):
     """Grid (1-D); D is N_CHUNKS chunks of BLOCK_D, a stage-A job takes SPLIT_CHUNKS of them.
 
     tiled        (N_SPLITS == 1)                 n_tiles programs, job = program id
@@ -510,7 +506,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, base_ptr
         tile = tl.program_id(0)
         _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, xo_ptr, u_ptr, acc_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
-                 tile, 0, N_CHUNKS, TILE_T, BLOCK_D, False, INTERPRETED)
+                 tile, 0, N_CHUNKS, TILE_T, BLOCK_D, False, PIPELINE_STAGES, INTERPRETED)
         _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                        combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
                        False, INTERPRETED)
@@ -522,7 +518,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, base_ptr
         _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, xo_ptr, u_ptr, acc_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
                  tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D, True,
-                 INTERPRETED)
+                 PIPELINE_STAGES, INTERPRETED)
         arrive_a = sync_ptr + TILE_SYNC + tile * 4 + ARRIVE_A
         if _arrive(arrive_a) == N_SPLITS - 1:
             _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
@@ -543,7 +539,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, base_ptr
             _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, xo_ptr, u_ptr, acc_ptr,
                      T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
                      tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D,
-                     True, INTERPRETED)
+                     True, PIPELINE_STAGES, INTERPRETED)
             if _arrive(sync + ARRIVE_A) == N_SPLITS - 1:
                 inv_c = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, T, tile,
                                      TILE_T, True)
@@ -594,6 +590,27 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, base_ptr
             tl.atomic_xchg(sync_ptr + DONE_COUNTER, 0, sem="relaxed")
 ''')
 
+# The body of stage A's loop over chunks (indented for a loop body at 8 spaces); the template
+# places it in both loop forms (register double-buffering and Triton-pipelined).
+_CHUNK_BODY = string.Template('''\
+        d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+        ok = row_ok[:, None] & (d < D)[None, :]  # [TILE_T, BLOCK_D]
+        if HAS_POST:
+$POST_LINES
+        # every later step reads the rounded X', like the reference
+$F32_LINES
+        if HAS_COEFFS:
+            sumsq += tl.reduce($SUMSQ_EXPR, 1, _add)
+$PROJECT_LINES
+        if not FRESH:
+            # hc_pre with the carried pre, rounded like the reference; parked in u until the
+            # norm's statistic (the whole row) is known
+            collapsed = _round($COLLAPSE_EXPR, INTERPRETED)
+            tl.store(u_ptr + rows64[:, None] * D + d[None, :], collapsed, mask=ok)
+            cf = collapsed.to(tl.float32)
+            csq += tl.reduce(cf * cf, 1, _add)
+''')
+
 # The projection's dot, per stream dtype.
 _DOT_BF16 = '''\
     # X' is exactly bf16 and fn is fp32: split fn into two bf16 pieces, hi + lo (16 of fp32's 24
@@ -615,7 +632,7 @@ _DOT_FP32 = '''\
     acc = tl.dot(xs, w, acc, input_precision="tf32x3")'''
 
 _GENERATOR_FINGERPRINT = hashlib.sha1(
-    (_TEMPLATE.template + _DOT_BF16 + _DOT_FP32 + "gen-v2").encode()).hexdigest()
+    (_TEMPLATE.template + _CHUNK_BODY.template + _DOT_BF16 + _DOT_FP32 + "gen-v2").encode()).hexdigest()
 
 
 def _fmt_float(x: float) -> str:
@@ -787,6 +804,9 @@ def generate_source(spec: MhcSpec) -> str:
         f"    c     = sum_k p[k] X'[k] in fp32, rounded, with p = {p}",
         f"    u     = c * rsqrt(mean(c^2) + {_fmt_float(spec.norm_eps)}) * norm_weight, rounded        (stored)"]
     spec_line = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(spec).items())
+    body = _CHUNK_BODY.substitute(lines)
+    lines["BUFFERED_BODY"] = lines["PIPELINED_BODY"] = "\n".join(
+        ("    " + line) if line.strip() else line for line in body.rstrip("\n").split("\n"))
     return _TEMPLATE.substitute(
         KEY=spec.key(), SPEC_LINE=spec_line, FORM=spec.form(), N=n, D=spec.dim,
         DTYPE_NAME=spec.stream_dtype, MATH_DOC="\n".join(math_doc), CONSTANTS=_constants(spec),
@@ -816,6 +836,11 @@ class LaunchConfig:
                  stream's chunk is a [tile_t, block_d] register tile
     split_cols   columns of D per stage-A job (a multiple of block_d); >= D is the tiled variant
     r_splits     split variant: rescale jobs per token tile; 0 = the tile's last arrival rescales
+    pipeline_stages  0: stage A double-buffers one chunk ahead in registers (every tuned row);
+                 k >= 2: the chunk loads sit in a `tl.range(num_stages=k)` loop and Triton's
+                 pipeliner keeps k - 1 chunks in flight through shared memory (cp.async). Built
+                 for sm_90: ~210 registers instead of ~244 and 44 KB of shared memory per stage
+                 (tools.hopper_builds); not measured on the H200 yet, so no row uses it.
     """
     tile_t: int
     block_d: int
@@ -823,6 +848,7 @@ class LaunchConfig:
     r_splits: int = 0
     num_warps: int = 4
     num_stages: int = 2
+    pipeline_stages: int = 0
 
     def variant(self, dim: int) -> str:
         return "tiled" if self.split_cols >= dim else "split"
@@ -1113,7 +1139,8 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         carried_pre.stride(0) if carried_pre is not None else 0, n_tiles,
         TILE_T=cfg.tile_t, BLOCK_D=cfg.block_d, N_CHUNKS=plan["n_chunks"],
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
-        R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], INTERPRETED=interpret,
+        R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], PIPELINE_STAGES=cfg.pipeline_stages,
+        INTERPRETED=interpret,
         MAX_SPINS=1 << 10 if interpret else 1 << 22, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return tuple(out)
 

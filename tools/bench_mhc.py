@@ -194,13 +194,20 @@ def sweep_configs(T: int) -> list[LaunchConfig]:
     """Launch configurations timed by --sweep: (tile_t, block_d, split_cols, r_splits, warps)."""
     C = LaunchConfig
     if T <= 16:
-        return [C(16, 64, 64, 8), C(16, 32, 64, 8), C(16, 32, 32, 16), C(16, 64, 128, 8)]
-    if T <= 128:
-        return [C(16, 64, 128, 32), C(16, 32, 64, 16), C(16, 32, 128, 16), C(32, 32, 128, 16, num_warps=8)]
-    if T <= 1024:
-        return [C(16, 64, 1024, 8), C(16, 32, 512, 8), C(32, 32, 512, 8, num_warps=8),
-                C(64, 32, 512, 8, num_warps=8)]
-    return [C(16, 64, 5120), C(16, 32, 5120), C(32, 32, 5120), C(64, 32, 2560, 4, num_warps=8)]
+        configs = [C(16, 64, 64, 8), C(16, 32, 64, 8), C(16, 32, 32, 16), C(16, 64, 128, 8)]
+    elif T <= 128:
+        configs = [C(16, 64, 128, 32), C(16, 32, 64, 16), C(16, 32, 128, 16), C(32, 32, 128, 16, num_warps=8)]
+    elif T <= 1024:
+        configs = [C(16, 64, 1024, 8), C(16, 32, 512, 8), C(32, 32, 512, 8, num_warps=8),
+                   C(64, 32, 512, 8, num_warps=8)]
+    else:
+        configs = [C(16, 64, 5120), C(16, 32, 5120), C(32, 32, 5120), C(64, 32, 2560, 4, num_warps=8)]
+    # stage A pipelined by Triton (chunks in flight through shared memory), on the tuned row and on
+    # the other 16-token tiles of the band: built offline (tools.hopper_builds), not yet timed
+    tuned = mm.choose_config(V41, T, device="cuda")
+    for stages in (2, 3):
+        configs += [dataclasses.replace(c, pipeline_stages=stages) for c in dict.fromkeys([tuned, *configs[:2]])]
+    return configs
 
 
 def run_sweep(T: int, device, log) -> list:

@@ -46,8 +46,9 @@ def mhc_spec(form: str) -> mega_mhc.MhcSpec:
                             stat_eps=1e-20, norm_eps=1e-20, **fields)
 
 
-def build_mhc(form: str, T: int) -> offline.Build:
-    """The seam kernel of `form` as the H200 would launch it for T tokens (y in bf16: the model's)."""
+def build_mhc(form: str, T: int, config: mega_mhc.LaunchConfig | None = None) -> offline.Build:
+    """The seam kernel of `form` as the H200 would launch it for T tokens (y in bf16: the model's),
+    or with `config` instead of the tuned launch configuration."""
     spec = mhc_spec(form)
     f32 = dict(dtype=torch.float32)
     inputs = (torch.zeros(T, N, D, dtype=mega_mhc.DTYPES[spec.stream_dtype]), torch.zeros(T, D, dtype=torch.bfloat16),
@@ -55,7 +56,7 @@ def build_mhc(form: str, T: int) -> offline.Build:
               torch.zeros(spec.width(), N * D, **f32), torch.zeros(spec.width(), **f32), torch.zeros(3, **f32),
               torch.ones(D, **f32))
     (build,) = offline.build_launch(mega_mhc, mega_mhc.mega_mhc, *inputs, spec,
-                                    config=mega_mhc.choose_config(spec, T, device="cuda"))
+                                    config=config or mega_mhc.choose_config(spec, T, device="cuda"))
     return build
 
 

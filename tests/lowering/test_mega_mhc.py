@@ -27,9 +27,11 @@ FORMS = {  # name -> (has_post, has_coefficients, pre)
     "v4_fresh_no_post": (False, True, "fresh"),
 }
 # (T, variant or config): the tiled variant, the split one whose last arrival finishes the tile,
-# and the split one with epilogue jobs (the rescale, and a fresh collapse, in jobs of their own)
+# and the split one with epilogue jobs (the rescale, and a fresh collapse, in jobs of their own);
+# then the tiled and the epilogue-job split variants with stage A's loop pipelined by Triton
 CASES = ((37, "tiled"), (3, "split"), (1, LaunchConfig(16, 32, 64, r_splits=2)),
-         (37, LaunchConfig(16, 32, 64, r_splits=3)))
+         (37, LaunchConfig(16, 32, 64, r_splits=3)),
+         (21, LaunchConfig(16, 32, 4096, pipeline_stages=3)), (5, LaunchConfig(16, 32, 64, r_splits=2, pipeline_stages=2)))
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,8 @@ shared memory within an SM's limit and no register spills (the kernels keep thei
 registers by design; the H200's own builds report none: results/tools/inspect_proxy.json).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -72,6 +74,20 @@ def test_the_build_is_specialised_like_a_launch():
     strided[names.index("stride_post")] = 1  # a stride of 1 is compiled in
     signature, constexprs, _, _ = offline._signature(kernel, tuple(strided), kwargs, backend)
     assert signature["stride_post"] == "constexpr" and constexprs["stride_post"] == 1
+
+
+@pytest.mark.parametrize("T", [64, 4096])
+def test_a_pipelined_stage_a_builds_with_async_copies_and_fewer_registers(T):
+    # LaunchConfig.pipeline_stages: the chunk loads move into a tl.range loop that Triton pipelines
+    # through shared memory. It must really be pipelined (cp.async in the PTX), and it is worth a
+    # sweep only because it frees registers (the tuned double-buffered build has none to spare).
+    tuned = mega_mhc.choose_config(hopper_builds.mhc_spec("delayed"), T, device="cuda")
+    buffered = hopper_builds.build_mhc("delayed", T)
+    pipelined = hopper_builds.build_mhc("delayed", T, config=dataclasses.replace(tuned, pipeline_stages=3))
+    _check(pipelined)
+    assert "cp.async" not in buffered.ptx and pipelined.ptx.count("cp.async") > 0
+    assert pipelined.registers < buffered.registers
+    assert pipelined.shared_bytes > buffered.shared_bytes  # two chunks in flight, in shared memory
 
 
 def test_programs_per_sm_is_the_tightest_hopper_limit():
