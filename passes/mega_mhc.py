@@ -502,11 +502,13 @@ class MegaMhcPass(FusionPass):
         last_input = max((order[a] for a in inputs.values() if isinstance(a, fx.Node)), default=-1)
         # An input computed from the chain itself would make the fused op its own ancestor: the
         # match is wrong, not fusable (seen on CUDA / torch 2.11 graphs); leave it unfused.
-        downstream, frontier = set(), [n_ for n_ in chain]
+        # The graph is topologically sorted, so a path from the chain to an input runs through
+        # nodes before that input: the search stops at the last input (not the end of the graph).
+        downstream, frontier = set(), list(chain)
         while frontier:
             node = frontier.pop()
             for reader in node.users:
-                if reader not in downstream:
+                if reader not in downstream and order.get(reader, last_input + 1) <= last_input:
                     downstream.add(reader)
                     frontier.append(reader)
         cyclic = [name for name, a in inputs.items() if isinstance(a, fx.Node) and a in downstream]

@@ -137,13 +137,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    swept = common.selected_passes(args)
-    repeat = args.repeat if args.repeat is not None else (50 if args.device == "cuda" else 3)
-    args.repeat = repeat
-    common.check_sizes(args, prompt_len=1, batch=1, repeat=1)
-    cfg, model = common.load_model(args)
-    ids = common.random_ids(cfg, args.batch, args.prompt_len, args.seed, args.device)
-    target, inputs, what = common.target(model, ids, args.layer)
+    swept, cfg, target, inputs, what = common.prepare_target(args, cuda_repeat=50, cpu_repeat=3)
+    repeat = args.repeat
     rows = configurations(swept)
     console.print(f"[bold]megafuse ablate[/bold]: {cfg.name} {what} ({cfg.dtype}, quant={cfg.quant}, {args.device}), "
                   f"{args.batch} x {args.prompt_len} tokens, passes {', '.join(swept) or '(none)'}: "

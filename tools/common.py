@@ -2,7 +2,7 @@
 
     model       a preset, a config JSON or a checkpoint directory            `load_model`
     target      the whole model, or one block (`--layer N`) fed the inputs the whole model gives
-                it, captured with a forward pre-hook                          `target`
+                it, captured with a forward pre-hook               `target`, `prepare_target`
     passes      `--passes all|none|a,b` and one `--no-<pass>` flag per registered pass, generated
                 from `passes.available()`: a pass that registers joins every tool unchanged
                                                                              `add_pass_arguments`
@@ -215,6 +215,19 @@ def target(model, ids: torch.Tensor, layer: int | None) -> tuple[nn.Module, tupl
         return model, (ids,), "model"
     harness, inputs = layer_target(model, ids, layer)
     return harness, inputs, f"layer {layer}"
+
+
+def prepare_target(args: argparse.Namespace, cuda_repeat: int, cpu_repeat: int):
+    """What `ablate` and `inspect` start from: validate the sizes (`--repeat` defaults to
+    `cuda_repeat` / `cpu_repeat` per device), build the model and a random prompt, and pick the
+    target. Returns (enabled passes, config, target module, its inputs, "model" | "layer N")."""
+    names = selected_passes(args)
+    if args.repeat is None:
+        args.repeat = cuda_repeat if args.device == "cuda" else cpu_repeat
+    check_sizes(args, prompt_len=1, batch=1, repeat=1)
+    cfg, model = load_model(args)
+    ids = random_ids(cfg, args.batch, args.prompt_len, args.seed, args.device)
+    return (names, cfg, *target(model, ids, args.layer))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -46,16 +46,21 @@ def mhc_spec(form: str) -> mega_mhc.MhcSpec:
                             stat_eps=1e-20, norm_eps=1e-20, **fields)
 
 
+def mhc_inputs(spec: mega_mhc.MhcSpec, T: int) -> tuple:
+    """mega_mhc's inputs for T tokens on the CPU (zeros: a build reads only their dtypes and strides)."""
+    f32 = dict(dtype=torch.float32)
+    n, dim = spec.n, spec.dim
+    return (torch.zeros(T, n, dim, dtype=mega_mhc.DTYPES[spec.stream_dtype]), torch.zeros(T, dim, dtype=torch.bfloat16),
+            torch.zeros(T, n, **f32), torch.zeros(T, n, n, **f32), torch.zeros(T, n, **f32),
+            torch.zeros(spec.width(), n * dim, **f32), torch.zeros(spec.width(), **f32), torch.zeros(3, **f32),
+            torch.ones(dim, **f32))
+
+
 def build_mhc(form: str, T: int, config: mega_mhc.LaunchConfig | None = None) -> offline.Build:
     """The seam kernel of `form` as the H200 would launch it for T tokens (y in bf16: the model's),
     or with `config` instead of the tuned launch configuration."""
     spec = mhc_spec(form)
-    f32 = dict(dtype=torch.float32)
-    inputs = (torch.zeros(T, N, D, dtype=mega_mhc.DTYPES[spec.stream_dtype]), torch.zeros(T, D, dtype=torch.bfloat16),
-              torch.zeros(T, N, **f32), torch.zeros(T, N, N, **f32), torch.zeros(T, N, **f32),
-              torch.zeros(spec.width(), N * D, **f32), torch.zeros(spec.width(), **f32), torch.zeros(3, **f32),
-              torch.ones(D, **f32))
-    (build,) = offline.build_launch(mega_mhc, mega_mhc.mega_mhc, *inputs, spec,
+    (build,) = offline.build_launch(mega_mhc, mega_mhc.mega_mhc, *mhc_inputs(spec, T), spec,
                                     config=config or mega_mhc.choose_config(spec, T, device="cuda"))
     return build
 

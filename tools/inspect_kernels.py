@@ -342,13 +342,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    names = common.selected_passes(args)
-    repeat = args.repeat if args.repeat is not None else (10 if args.device == "cuda" else 1)
-    args.repeat = repeat
-    common.check_sizes(args, prompt_len=1, batch=1, repeat=1)
-    cfg, model = common.load_model(args)
-    ids = common.random_ids(cfg, args.batch, args.prompt_len, args.seed, args.device)
-    target, inputs, what = common.target(model, ids, args.layer)
+    names, cfg, target, inputs, what = common.prepare_target(args, cuda_repeat=10, cpu_repeat=1)
+    repeat = args.repeat
     out = Path(args.out) if args.out else None
     scratch = None
     if out is not None:

@@ -10,7 +10,6 @@ registers by design; the H200's own builds report none: results/tools/inspect_pr
 import dataclasses
 
 import pytest
-import torch
 
 from lowering import mega_mhc, offline
 from tools import hopper_builds
@@ -50,14 +49,8 @@ def test_the_build_is_specialised_like_a_launch():
     # Triton's launcher does: without it no 16-byte vector access is allowed), do_not_specialize
     # arguments stay plain; the interpreter's branches are never the ones built
     spec = hopper_builds.mhc_spec("delayed")
-    f32 = dict(dtype=torch.float32)
-    D, N = spec.dim, spec.n
-    inputs = (torch.zeros(1, N, D, dtype=torch.bfloat16), torch.zeros(1, D, dtype=torch.bfloat16),
-              torch.zeros(1, N, **f32), torch.zeros(1, N, N, **f32), torch.zeros(1, N, **f32),
-              torch.zeros(spec.width(), N * D, **f32), torch.zeros(spec.width(), **f32), torch.zeros(3, **f32),
-              torch.ones(D, **f32))
     with offline._recording(mega_mhc) as recorders:
-        mega_mhc.mega_mhc(*inputs, spec, config=mega_mhc.choose_config(spec, 1, device="cuda"))
+        mega_mhc.mega_mhc(*hopper_builds.mhc_inputs(spec, 1), spec, config=mega_mhc.choose_config(spec, 1, device="cuda"))
     ((grid, args, kwargs),) = recorders[0].calls
     kernel = recorders[0].kernel
     backend = offline.make_backend(offline.HOPPER)

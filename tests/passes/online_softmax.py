@@ -10,7 +10,6 @@ before megafuse's passes, which are the post pass) with `options=ONLINE_SOFTMAX`
 
 import operator
 
-import torch
 import torch.fx as fx
 from torch._inductor import inductor_prims  # noqa: F401  (registers prims.prepare_softmax_online)
 

@@ -4,16 +4,11 @@ import pytest
 import torch
 
 import passes
-from model import build_model, preset
+from tests.passes.tiny import compile_tiny
 
 
 def test_tiny_one_gate_per_moe_layer_and_logits_equal_eager(tmp_path):
-    cfg = preset("tiny").replace(quant="none")
-    model = build_model(cfg, seed=0)
-    ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    torch._dynamo.reset()
-    fused = passes.compile(model, passes=["mega_gate"], dump_dir=tmp_path, fullgraph=True)
-    logits = fused(ids)
+    cfg, model, ids, fused, logits = compile_tiny(["mega_gate"], 16, dump_dir=tmp_path)
     # Every layer of the model is MoE: 12 layers -> 12 gates, and no gate op survives the pass.
     assert fused.report.counts() == {"mega_gate": cfg.n_layers}
     assert fused.report.rejections("mega_gate") == []

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 import passes
-from model import build_model, preset
 from model.layers import RMSNorm
 from model.mhc import HyperConnection, hc_post, hc_pre
 from tests.passes.online_softmax import ONLINE_SOFTMAX
+from tests.passes.tiny import compile_tiny
 
 N, D = 4, 64
 
@@ -121,12 +121,7 @@ def test_a_seam_whose_y_is_narrower_than_its_streams(y_dtype):
 
 
 def test_tiny_every_site_and_the_final_collapse(tmp_path):
-    cfg = preset("tiny").replace(quant="none")
-    model = build_model(cfg, seed=0)
-    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
-    torch._dynamo.reset()
-    fused = passes.compile(model, passes=["mega_mhc"], dump_dir=tmp_path, fullgraph=True)
-    logits = fused(ids)
+    cfg, model, ids, fused, logits = compile_tiny(["mega_mhc"], 12, dump_dir=tmp_path)
     # Two sites per layer (attention, FFN), each one seam, plus the final collapse before the norm.
     assert fused.report.counts() == {"mega_mhc": 2 * cfg.n_layers + 1}
     specs = [m.spec for m in fused.report.matches("mega_mhc")]
@@ -148,12 +143,7 @@ def test_tiny_every_site_and_the_final_collapse(tmp_path):
 def test_tiny_with_cudas_online_softmax_every_site_still_fuses(tmp_path):
     # On CUDA, Inductor rewrites each Sinkhorn's softmax into prims.prepare_softmax_online before
     # the passes run; on the H200 that once left 24 of tiny's 25 seams unfused.
-    cfg = preset("tiny").replace(quant="none")
-    model = build_model(cfg, seed=0)
-    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
-    torch._dynamo.reset()
-    fused = passes.compile(model, passes=["mega_mhc"], dump_dir=tmp_path, fullgraph=True, options=ONLINE_SOFTMAX)
-    logits = fused(ids)
+    cfg, model, ids, fused, logits = compile_tiny(["mega_mhc"], 12, dump_dir=tmp_path, options=ONLINE_SOFTMAX)
     before = (tmp_path / "graph000_mega_mhc_before.txt").read_text()
     assert before.count("prims.prepare_softmax_online.default](") == 2 * cfg.n_layers  # one per site
     assert fused.report.counts() == {"mega_mhc": 2 * cfg.n_layers + 1}, fused.report.rejections("mega_mhc")
