@@ -98,6 +98,28 @@ def test_a_plain_residual_add_is_not_a_seam(tmp_path):
     assert fused.report.counts() == {"mega_mhc": 0}
 
 
+def test_a_collapse_whose_pre_is_computed_from_its_own_stream_is_refused():
+    # A post, then a collapse + norm whose "carried" pre is computed from the post's own output:
+    # fusing it would make the fused op its own ancestor (on the H200 this shape came from a V4
+    # site whose coefficient head went unrecognised, and stopped the compile). Refused, with why.
+    class SelfPre(Seam):
+        def forward(self, X, y, post, comb, carried):
+            X = hc_post(y, X, post, comb)
+            pre = torch.sigmoid(X.float().sum(-1))
+            return X, self.norm(hc_pre(X, pre))
+
+    module = SelfPre("final")
+    args = _inputs(7, torch.float32)
+    torch._dynamo.reset()
+    fused = passes.compile(module, passes=["mega_mhc"], fullgraph=True)
+    out = fused(*args)
+    assert fused.report.counts() == {"mega_mhc": 0}
+    (rejection,) = fused.report.rejections("mega_mhc")
+    assert "['carried_pre'] are computed from the seam itself" in rejection.reason, rejection.reason
+    for got, want in zip(out, module(*args)):
+        assert _rel(got, want) <= 1e-5
+
+
 @pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float16])
 def test_a_seam_whose_y_is_narrower_than_its_streams(y_dtype):
     # torch 2.11 folds X''s round trip through bf16 away when only an upcast reads it (Inductor's
