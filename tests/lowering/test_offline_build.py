@@ -8,6 +8,7 @@ registers by design; the H200's own builds report none: results/tools/inspect_pr
 """
 
 import dataclasses
+import json
 
 import pytest
 
@@ -94,3 +95,18 @@ def test_programs_per_sm_is_the_tightest_hopper_limit():
     assert build(32, 4, 0).programs_per_sm() == 16  # warps bind: 64 / 4
     assert build(16, 1, 0).programs_per_sm() == 32  # the block limit
     assert build(None, 4, 0).programs_per_sm() is None
+
+
+def test_hopper_builds_tool_writes_one_row_per_kernel_and_token_count(tmp_path, capsys):
+    out = tmp_path / "builds.json"
+    assert hopper_builds.main(["--tokens", "64", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["schema"] == "megafuse.hopper_builds/1"
+    kernels = len(hopper_builds.MHC_FORMS) + len(hopper_builds.GATE_INPUTS)
+    assert len(result["rows"]) == kernels and {r["tokens"] for r in result["rows"]} == {64}
+    delayed = next(r for r in result["rows"] if r["form"] == "delayed")
+    assert delayed == {**delayed, "op": "mega_mhc", "target": "cuda sm_90", "stack_bytes": 0,
+                       "programs_per_sm": hopper_builds.build_mhc("delayed", 64).programs_per_sm()}
+    with pytest.raises(SystemExit):
+        hopper_builds.main(["--tokens", "0"])
+    assert "--tokens must be >= 1" in capsys.readouterr().err
