@@ -37,9 +37,12 @@ organised around moving those bytes once:
   (2+n)n rows padded to SLOT), collapse it with the carried pre, round the collapse and *park* it
   in u, add its squares to the norm statistic. The next chunk's inputs (y, X, fn's block) are
   loaded before the current one is computed (register double-buffering). fn's block is read once
-  per token tile, not per token. `LaunchConfig.pipeline_stages` (off in every tuned row) instead
-  leaves the loads in a `tl.range` loop that Triton pipelines through shared memory, so more
-  chunks are in flight and fewer registers are used (see LaunchConfig). It is not timed yet.
+  per token tile, not per token. `LaunchConfig.pipeline_stages` instead leaves the loads in a
+  `tl.range` loop that Triton pipelines through shared memory, so more chunks are in flight and
+  fewer registers are used (T >= 512). fn is fp32 and X' bf16, so the dot runs on fn's two bf16
+  pieces (hi + lo): each tile splits its block of fn, or, with `LaunchConfig.presplit_fn` (large
+  T), a first small launch splits fn once and the tiles load the pieces (~30% fewer instructions
+  per chunk on sm_90).
 * The coefficients need the whole row: the tile's partial sums ((2+n)n projections, sum X'^2,
   sum c^2) meet in one fp32 accumulator row per token (plain stores when one job covers D, fp32
   atomics when D is split). The program that completes the tile reads them as [TILE_T] vectors and
@@ -47,8 +50,9 @@ organised around moving those bytes once:
   truncation fully unrolled (n*n vectors; row and column sums are plain additions), and stores
   pre', post', comb'.
 * The norm's statistic needs the whole row too, so a second, short sweep rescales the parked
-  collapse in place: u = c * rsqrt(mean(c^2) + eps) * w (reads and writes 2D bytes per token,
-  mostly from L2), in [TILE_T, 8192 / TILE_T] blocks.
+  collapse in place: u = c * rsqrt(mean(c^2) + eps) * w (reads and writes 2D bytes per token:
+  from L2 at small T; at T=4096 the parked 42 MB have left L2, and the rescale is the last ~14%
+  of the launch), in [TILE_T, 8192 / TILE_T] blocks.
 * "fresh" pre: the collapse needs pre', known only after the whole row, so it is a second sweep
   over X' (re-reading 8D per token: the documented cost of V4's non-delayed form), then the rescale.
 
@@ -91,8 +95,13 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json): CUDA-graph replay 11.2 / 17.6 / 44.6 / 209 us at
-T = 1 / 64 / 512 / 4096 against 62 / 94 / 302 / 1769 us for the same chain under torch.compile.
+Measured (H200, results/bench_mhc.json): CUDA-graph replay 9.4 / 14.9 / 38.5 / 178 us at
+T = 1 / 64 / 512 / 4096 against 62 / 95 / 304 / 1782 us for the same chain under torch.compile.
+Where the time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the first start):
+at T=1, job claim 0.45 us, stage A done 1.95, arrived 3.2-3.7 (the release fence waits for the
+partial-sum atomics), coefficients + Sinkhorn done 6.8, rescale done 7.7-7.8, last program ends
+8.7; at T=64 stage A takes 5.7 us (two [16, 64] chunks: ~2.5 us each, instruction latency with
+~1.5 programs per SM); at T=4096 the sweep ends at 146 us and the merge + rescale tail at 170-176.
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
 launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
 """
@@ -117,7 +126,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRE_MODES = ("carried", "fresh")
 _keys: dict = {}  # spec -> key(), memoised (the launch path asks for it on every call)
 KERNEL_NAME = "mega_mhc_kernel"
+SPLIT_FN_KERNEL = "mega_mhc_split_fn"  # bf16 streams: fn into its bf16 pieces, for presplit_fn launches
+SPLIT_FN_BLOCK = 1024
 SYNC_PER_TILE = 4  # arrive A, ready A, arrive C, ready C
+# A traced launch (`mega_mhc(..., trace=...)`, CUDA only) records one int64 row per program: the
+# GPU's %globaltimer (ns) at each of these events (0 where the program never reached it), then
+# its job number and role. tools/bench_mhc.py --trace turns them into a launch's timeline.
+TRACE_TIMES = ("start", "claimed", "ready", "work", "arrived", "finished", "end")
+TRACE_EVENTS = TRACE_TIMES + ("job", "role")
+TRACE_ROLES = ("tiled", "stage A", "collapse", "rescale")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,6 +260,10 @@ READY_A = tl.constexpr(1)             #   tile merged: coefficients stored, (car
 ARRIVE_C = tl.constexpr(2)            #   fresh-collapse jobs arrived
 READY_C = tl.constexpr(3)             #   (fresh) 1/rms published
 
+# trace rows (TRACE only): per program, %globaltimer ns at these events, plus its job and role
+TRACE_EVENTS = tl.constexpr($TRACE_EVENTS)
+$TRACE_CONSTANTS
+
 # Reductions go through tl.reduce with these combiners, and tl.full stands in for tl.zeros:
 # tl.sum / tl.max / tl.zeros / tl.sigmoid are @triton.jit library functions whose mode
 # (interpreter or compiler) was fixed when Triton was first imported, while this module is loaded
@@ -298,17 +319,12 @@ def _opaque(x, INTERPRETED: tl.constexpr):
     return y
 
 
-@triton.jit
-def _project(acc, xs, w, INTERPRETED: tl.constexpr):
-    """acc [TILE_T, SLOT] += xs [TILE_T, BLOCK_D] @ w [BLOCK_D, SLOT] (one stream's chunk against
-    the matching block of fn^T, fp32 accumulate)."""
-$DOT_LINES
-    return acc
+$PROJECT_FUNCTIONS
 
 
 @triton.jit
-def _load_chunk(x_ptr, y_ptr, fn_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk, c_end,
-                BLOCK_D: tl.constexpr):
+def _load_chunk(x_ptr, y_ptr, fn_ptr, fns_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk, c_end,
+                BLOCK_D: tl.constexpr, PRESPLIT: tl.constexpr):
     """The raw inputs of one chunk of D ($LOAD_DOC).
     Past the job's last chunk (chunk >= c_end) everything is masked: nothing is read."""
     d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -319,10 +335,11 @@ $LOAD_LINES
 
 
 @triton.jit
-def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, xo_ptr, u_ptr, acc_ptr,
+def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
              T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
              tile, c_begin, c_end, TILE_T: tl.constexpr, BLOCK_D: tl.constexpr,
-             ATOMIC: tl.constexpr, PIPELINE_STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+             ATOMIC: tl.constexpr, PIPELINE_STAGES: tl.constexpr, PRESPLIT: tl.constexpr,
+             INTERPRETED: tl.constexpr):
     """Stage A for token tile `tile` over chunks [c_begin, c_end) of D: store X' (and the parked,
     unnormalised carried collapse), and add the partial sums into the tile's accumulator row
     [TILE_T, SLOT]: the (2+n)n projections, sum X'^2 (SUMSQ_COL), sum c^2 (CSQ_COL); with atomics
@@ -350,16 +367,19 @@ $PRE_LOADS
         # through shared memory (cp.async), not in registers
         for chunk in tl.range(c_begin, c_end, num_stages=PIPELINE_STAGES):
             $CUR_NAMES = _load_chunk(
-                x_ptr, y_ptr, fn_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk, c_end, BLOCK_D)
+                x_ptr, y_ptr, fn_ptr, fns_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk, c_end,
+                BLOCK_D, PRESPLIT)
 $PIPELINED_BODY
     else:
         # register double-buffering: the next chunk's loads are issued before this one is computed
         $NEXT_NAMES = _load_chunk(
-            x_ptr, y_ptr, fn_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, c_begin, c_end, BLOCK_D)
+            x_ptr, y_ptr, fn_ptr, fns_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, c_begin, c_end,
+            BLOCK_D, PRESPLIT)
         for chunk in range(c_begin, c_end):
             $CUR_NAMES = $NEXT_NAMES
             $NEXT_NAMES = _load_chunk(
-                x_ptr, y_ptr, fn_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk + 1, c_end, BLOCK_D)
+                x_ptr, y_ptr, fn_ptr, fns_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk + 1, c_end,
+                BLOCK_D, PRESPLIT)
 $BUFFERED_BODY
     cols = tl.arange(0, SLOT)[None, :]
     part = tl.where(cols == SUMSQ_COL, sumsq[:, None], tl.where(cols == CSQ_COL, csq[:, None], acc))
@@ -428,21 +448,34 @@ $F32_LINES
 
 
 @triton.jit
+def _parked_block(u_ptr, w_ptr, rows64, row_ok, b, b_end, R_BLOCK: tl.constexpr):
+    """Column block b of the parked collapse (stream dtype: half the registers of fp32 in flight)
+    and of the norm weight; all masked past b_end."""
+    d = b * R_BLOCK + tl.arange(0, R_BLOCK)
+    d_ok = (d < D) & ((d * 0 + b) < b_end)
+    collapsed = tl.load(u_ptr + rows64[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                        other=0.0, cache_modifier=".cg")
+    return collapsed, tl.load(w_ptr + d, mask=d_ok, other=0.0)
+
+
+@triton.jit
 def _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin, b_end, TILE_T: tl.constexpr,
              R_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """u = (c * 1/rms) * norm_weight, in place on the parked collapse, over column blocks
-    [b_begin, b_end) of R_BLOCK (wider than the sweep's chunks: this loop only streams)."""
+    [b_begin, b_end) of R_BLOCK (wider than the sweep's chunks: this loop only streams). The next
+    block is loaded before this one is stored: a load placed after a store waits for it, so
+    without the prefetch every block costs a whole memory round trip (at T=4096 the tiled
+    variant's rescale of 10 blocks per tile was ~12% of the launch on the H200)."""
     rows = tile * TILE_T + tl.arange(0, TILE_T)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
+    next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b_begin, b_end, R_BLOCK)
     for b in range(b_begin, b_end):
+        collapsed, w = next_c, next_w
+        next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b + 1, b_end, R_BLOCK)
         d = b * R_BLOCK + tl.arange(0, R_BLOCK)
-        d_ok = d < D
-        ok = row_ok[:, None] & d_ok[None, :]
-        ptrs = u_ptr + rows64[:, None] * D + d[None, :]
-        collapsed = tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        w = tl.load(w_ptr + d, mask=d_ok, other=0.0)
-        tl.store(ptrs, _round(collapsed * inv_c[:, None] * w[None, :], INTERPRETED), mask=ok)
+        tl.store(u_ptr + rows64[:, None] * D + d[None, :], _round(collapsed.to(tl.float32) * inv_c[:, None] * w[None, :], INTERPRETED),
+                 mask=row_ok[:, None] & (d < D)[None, :])
 
 
 @triton.jit
@@ -482,14 +515,33 @@ def _wait(flag_ptr, MAX_SPINS: tl.constexpr):
     return flag == 0
 
 
+@triton.jit
+def _stamp(trace_ptr, event, TRACE: tl.constexpr):
+    """TRACE: record the GPU's %globaltimer (ns) as `event` of this program's trace row (what
+    tools/bench_mhc.py --trace reads: where a launch's time goes). Compiled out otherwise."""
+    if TRACE:
+        now = tl.inline_asm_elementwise("mov.u64 $$0, %globaltimer;", "=l,r", [tl.program_id(0)],
+                                        dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(trace_ptr + tl.program_id(0) * TRACE_EVENTS + event, now)
+
+
+@triton.jit
+def _note_job(trace_ptr, job, role, TRACE: tl.constexpr):
+    """TRACE: record which job this program ran, and its role (ROLE_*)."""
+    if TRACE:
+        row = trace_ptr + tl.program_id(0) * TRACE_EVENTS
+        tl.store(row + EV_JOB, job.to(tl.int64))
+        tl.store(row + EV_ROLE, role)
+
+
 @triton.jit(do_not_specialize=["T", "n_tiles"])  # one binary for every T
-def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
-                    xo_ptr, u_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, ws_ptr, sync_ptr,
+def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, base_ptr, scale_ptr, w_ptr,
+                    xo_ptr, u_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, ws_ptr, sync_ptr, trace_ptr,
                     T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre, n_tiles,
                     TILE_T: tl.constexpr, BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr,
                     SPLIT_CHUNKS: tl.constexpr, N_SPLITS: tl.constexpr, R_BLOCK: tl.constexpr,
                     R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
-                    INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr):
+                    PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr, TRACE: tl.constexpr):
     """Grid (1-D); D is N_CHUNKS chunks of BLOCK_D, a stage-A job takes SPLIT_CHUNKS of them.
 
     tiled        (N_SPLITS == 1)                 n_tiles programs, job = program id
@@ -498,61 +550,80 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, base_ptr
         n_tiles * N_SPLITS collapse jobs, n_tiles * R_SPLITS rescale jobs of R_PER_JOB blocks of
         R_BLOCK columns, claimed in start order (see "forward progress" in megafuse.lowering.mega_mhc)
 
+    fns_ptr: with PRESPLIT, fn already split into bf16 pieces by mega_mhc_split_fn (else unused).
     acc_ptr: [n_tiles * TILE_T, SLOT] partial sums (split: persistent, all zero between launches);
     ws_ptr: 1/rms per token [n_tiles * TILE_T] (epilogue-job mode).
+    trace_ptr: [programs, TRACE_EVENTS] int64 when TRACE (else unused): EV_* timestamps per program.
     """
+    _stamp(trace_ptr, EV_START, TRACE)
     if N_SPLITS == 1:
         # tiled: one program per token tile, nothing shared
         tile = tl.program_id(0)
-        _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, xo_ptr, u_ptr, acc_ptr,
+        _note_job(trace_ptr, tile, ROLE_TILED, TRACE)
+        _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
-                 tile, 0, N_CHUNKS, TILE_T, BLOCK_D, False, PIPELINE_STAGES, INTERPRETED)
+                 tile, 0, N_CHUNKS, TILE_T, BLOCK_D, False, PIPELINE_STAGES, PRESPLIT, INTERPRETED)
+        _stamp(trace_ptr, EV_WORK, TRACE)
         _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                        combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
                        False, INTERPRETED)
+        _stamp(trace_ptr, EV_FINISHED, TRACE)
     elif R_SPLITS == 0:
         # split, the last arrival finishes the tile: nothing ever waits, so program ids are job ids
         job = tl.program_id(0)
+        _note_job(trace_ptr, job, ROLE_STAGE_A, TRACE)
         tile = job // N_SPLITS
         c_begin = (job % N_SPLITS) * SPLIT_CHUNKS
-        _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, xo_ptr, u_ptr, acc_ptr,
+        _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
                  tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D, True,
-                 PIPELINE_STAGES, INTERPRETED)
+                 PIPELINE_STAGES, PRESPLIT, INTERPRETED)
+        _stamp(trace_ptr, EV_WORK, TRACE)
         arrive_a = sync_ptr + TILE_SYNC + tile * 4 + ARRIVE_A
-        if _arrive(arrive_a) == N_SPLITS - 1:
+        ticket = _arrive(arrive_a)
+        _stamp(trace_ptr, EV_ARRIVED, TRACE)
+        if ticket == N_SPLITS - 1:
             _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                            combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
                            True, INTERPRETED)
             tl.atomic_xchg(arrive_a, 0, sem="relaxed")  # every arrival of this tile is in
+            _stamp(trace_ptr, EV_FINISHED, TRACE)
     else:
         # split with epilogue jobs, claimed in start order (see "forward progress")
         job = tl.atomic_add(sync_ptr + JOB_COUNTER, 1, sem="relaxed")
+        _stamp(trace_ptr, EV_CLAIMED, TRACE)
         n_a = n_tiles * N_SPLITS
         n_c = n_a if FRESH else 0
         n_jobs = n_a + n_c + n_tiles * R_SPLITS
         inv_ws = ws_ptr
         if job < n_a:
+            _note_job(trace_ptr, job, ROLE_STAGE_A, TRACE)
             tile = job // N_SPLITS
             sync = sync_ptr + TILE_SYNC + tile * 4
             c_begin = (job % N_SPLITS) * SPLIT_CHUNKS
-            _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, xo_ptr, u_ptr, acc_ptr,
+            _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                      T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
                      tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D,
-                     True, PIPELINE_STAGES, INTERPRETED)
-            if _arrive(sync + ARRIVE_A) == N_SPLITS - 1:
+                     True, PIPELINE_STAGES, PRESPLIT, INTERPRETED)
+            _stamp(trace_ptr, EV_WORK, TRACE)
+            ticket = _arrive(sync + ARRIVE_A)
+            _stamp(trace_ptr, EV_ARRIVED, TRACE)
+            if ticket == N_SPLITS - 1:
                 inv_c = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, T, tile,
                                      TILE_T, True)
                 if not FRESH:
                     tl.store(inv_ws + tile * TILE_T + tl.arange(0, TILE_T), inv_c)
                 tl.debug_barrier()
                 tl.atomic_xchg(sync + READY_A, 1, sem="release")
+                _stamp(trace_ptr, EV_FINISHED, TRACE)
         elif job < n_a + n_c:
             # fresh: collapse this slice with pre' (stored by the tile's merge); sum(c^2) by atomics
+            _note_job(trace_ptr, job, ROLE_COLLAPSE, TRACE)
             tile = (job - n_a) // N_SPLITS
             split = (job - n_a) % N_SPLITS
             sync = sync_ptr + TILE_SYNC + tile * 4
             failed = _wait(sync + READY_A, MAX_SPINS)
+            _stamp(trace_ptr, EV_READY, TRACE)
             c_begin = split * SPLIT_CHUNKS
             csq = _collapse(x_ptr, xo_ptr, u_ptr, pre_ptr, T, stride_xt, stride_xk, tile, c_begin,
                             tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D, INTERPRETED)
@@ -560,13 +631,18 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, base_ptr
             rows = tile * TILE_T + tl.arange(0, TILE_T)
             csq_ptrs = acc_ptr + rows.to(tl.int64) * SLOT + CSQ_COL
             tl.atomic_add(csq_ptrs, csq, mask=rows < T, sem="relaxed")
-            if _arrive(sync + ARRIVE_C) == N_SPLITS - 1:
+            _stamp(trace_ptr, EV_WORK, TRACE)
+            ticket = _arrive(sync + ARRIVE_C)
+            _stamp(trace_ptr, EV_ARRIVED, TRACE)
+            if ticket == N_SPLITS - 1:
                 total = tl.load(csq_ptrs, mask=rows < T, other=0.0, cache_modifier=".cg")
                 tl.store(inv_ws + tile * TILE_T + tl.arange(0, TILE_T), tl.rsqrt(total / D + NORM_EPS))
                 tl.debug_barrier()
                 tl.store(csq_ptrs, tl.full([TILE_T], 0.0, dtype=tl.float32), mask=rows < T)  # for the next launch
                 tl.atomic_xchg(sync + READY_C, 1, sem="release")
+                _stamp(trace_ptr, EV_FINISHED, TRACE)
         elif job < n_jobs:  # (never false unless the sync state was corrupted)
+            _note_job(trace_ptr, job, ROLE_RESCALE, TRACE)
             tile = (job - n_a - n_c) // R_SPLITS
             b_begin = ((job - n_a - n_c) % R_SPLITS) * R_PER_JOB
             sync = sync_ptr + TILE_SYNC + tile * 4
@@ -574,11 +650,13 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, base_ptr
                 failed = _wait(sync + READY_C, MAX_SPINS)
             else:
                 failed = _wait(sync + READY_A, MAX_SPINS)
+            _stamp(trace_ptr, EV_READY, TRACE)
             inv_c = tl.load(inv_ws + tile * TILE_T + tl.arange(0, TILE_T), cache_modifier=".cg")
             inv_c = tl.where(failed, float("nan"), inv_c)
             _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin,
                      tl.minimum(b_begin + R_PER_JOB, (D + R_BLOCK - 1) // R_BLOCK), TILE_T, R_BLOCK,
                      INTERPRETED)
+            _stamp(trace_ptr, EV_WORK, TRACE)
         # The last job to finish restores the all-zero sync state: every job number has been
         # claimed and every wait of this launch is over.
         if _arrive(sync_ptr + DONE_COUNTER) == n_jobs - 1:
@@ -588,6 +666,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, base_ptr
                          mask=offs < n_tiles * 4)
             tl.atomic_xchg(sync_ptr + JOB_COUNTER, 0, sem="relaxed")
             tl.atomic_xchg(sync_ptr + DONE_COUNTER, 0, sem="relaxed")
+    _stamp(trace_ptr, EV_END, TRACE)
 ''')
 
 # The body of stage A's loop over chunks (indented for a loop body at 8 spaces); the template
@@ -611,28 +690,68 @@ $PROJECT_LINES
             csq += tl.reduce(cf * cf, 1, _add)
 ''')
 
-# The projection's dot, per stream dtype.
-_DOT_BF16 = '''\
-    # X' is exactly bf16 and fn is fp32: split fn into two bf16 pieces, hi + lo (16 of fp32's 24
-    # mantissa bits: per-element relative error <= 2^-17), and run two bf16 tensor-core dots with
-    # fp32 accumulation. The coefficients then differ from an fp32 GEMM by ~1e-7 (fp32 summation
-    # noise); a third piece would make fn exact but costs registers the sweep needs.
+# The projection, per stream dtype: the helpers stage A's loads and dots use, and (bf16) the
+# kernel that splits fn once per launch.
+_PROJECT_BF16 = '''\
+@triton.jit
+def _split(w):
+    """fp32 -> two bf16 pieces, hi + lo = w to 16 of fp32's 24 mantissa bits (per-element
+    relative error <= 2^-17; the residual w - hi is exact in fp32 before it is rounded)."""
     hi = w.to(tl.bfloat16)
-    lo = (w - hi.to(tl.float32)).to(tl.bfloat16)  # the rounding residual is exact in fp32
+    lo = (w - hi.to(tl.float32)).to(tl.bfloat16)
+    return hi, lo
+
+
+@triton.jit
+def _project(acc, xs, fa, fb, PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc [TILE_T, SLOT] += xs [TILE_T, BLOCK_D] @ fn^T's block [BLOCK_D, SLOT] for one stream's
+    chunk, as two bf16 tensor-core dots (hi, lo pieces; see _split) with fp32 accumulation (X' is
+    exactly bf16). The block as _load_chunk loaded it: (hi, lo) with PRESPLIT, else (the fp32
+    block, the same again), split here, next to its use (splitting at load time instead keeps
+    both pieces of the prefetched chunk live: 255 registers and spills at 16x64 on sm_90). The
+    coefficients differ from an fp32 GEMM by ~1e-7 (fp32 summation noise); a third piece would
+    make fn exact but costs registers the sweep needs."""
+    if PRESPLIT:
+        hi, lo = fa, fb
+    else:
+        hi, lo = _split(fa)
     if INTERPRETED:  # numpy cannot multiply bf16; bf16 values are exact in fp32
         xs32 = xs.to(tl.float32)
         acc = tl.dot(xs32, hi.to(tl.float32), acc)
         acc = tl.dot(xs32, lo.to(tl.float32), acc)
     else:
         acc = tl.dot(xs, hi, acc)
-        acc = tl.dot(xs, lo, acc)'''
+        acc = tl.dot(xs, lo, acc)
+    return acc
 
-_DOT_FP32 = '''\
-    # fp32 x fp32 on tensor cores with 3xTF32 (big*big + big*small + small*big): fp32-level accuracy
-    acc = tl.dot(xs, w, acc, input_precision="tf32x3")'''
+
+@triton.jit
+def mega_mhc_split_fn(fn_ptr, fns_ptr, BLOCK: tl.constexpr):
+    """fn [WIDTH, ND] fp32 -> fns [2, SLOT, ND] bf16: hi pieces, then lo pieces (_split); rows past
+    WIDTH are neither written nor read. Grid (cdiv(ND, BLOCK), WIDTH). Launched before a PRESPLIT
+    seam launch, so that its token tiles load fn's pieces instead of each splitting fn again (at
+    T=4096, 256 times)."""
+    row = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < ND
+    w = tl.load(fn_ptr + row * ND + cols, mask=ok, other=0.0)
+    hi, lo = _split(w)
+    tl.store(fns_ptr + row * ND + cols, hi, mask=ok)
+    tl.store(fns_ptr + (SLOT + row) * ND + cols, lo, mask=ok)
+'''
+
+_PROJECT_FP32 = '''\
+@triton.jit
+def _project(acc, xs, w, INTERPRETED: tl.constexpr):
+    """acc [TILE_T, SLOT] += xs [TILE_T, BLOCK_D] @ w [BLOCK_D, SLOT]: one stream's chunk against
+    the matching block of fn^T, fp32 x fp32 on tensor cores with 3xTF32 (big*big + big*small +
+    small*big): fp32-level accuracy."""
+    acc = tl.dot(xs, w, acc, input_precision="tf32x3")
+    return acc
+'''
 
 _GENERATOR_FINGERPRINT = hashlib.sha1(
-    (_TEMPLATE.template + _CHUNK_BODY.template + _DOT_BF16 + _DOT_FP32 + "gen-v2").encode()).hexdigest()
+    (_TEMPLATE.template + _CHUNK_BODY.template + _PROJECT_BF16 + _PROJECT_FP32 + "gen-v3").encode()).hexdigest()
 
 
 def _fmt_float(x: float) -> str:
@@ -670,30 +789,32 @@ def _coefficient_lines(spec: MhcSpec) -> list[str]:
     """The unrolled coefficient maths on [TILE_T] vectors (inside `if HAS_COEFFS:` of _finish_tile)."""
     n = spec.n
     ks = range(n)
-    out = ["# gates: pre' = sigmoid(m * r * scale0 + base) + eps, post' = 2 sigmoid(m * r * scale1 + base)"]
+    width = spec.width()
+    out = ["# every load first: a load placed after a store waits for that store to issue (the",
+           "# compiler cannot tell the two do not alias), so loads interleaved with the stores below",
+           "# made this merge a chain of L2 round trips (~4.5 us of a 10 us launch on the H200)"]
+    out += [f"m_{c} = tl.load(sums + {c}, mask=row_ok, other=0.0, cache_modifier=\".cg\")" for c in range(width)]
+    out += [f"b_{c} = tl.load(base_ptr + {c})" for c in range(width)]
+    out.append("# gates: pre' = sigmoid(m * r * scale0 + base) + eps, post' = 2 sigmoid(m * r * scale1 + base)")
     for k in ks:
-        out.append(f"m = tl.load(sums + {k}, mask=row_ok, other=0.0, cache_modifier=\".cg\")")
-        out.append(f"tl.store(pre_ptr + rows64 * N + {k}, _sigmoid(m * r * s_pre + tl.load(base_ptr + {k})) + HC_EPS, "
-                   f"mask=row_ok)")
+        out.append(f"tl.store(pre_ptr + rows64 * N + {k}, _sigmoid(m_{k} * r * s_pre + b_{k}) + HC_EPS, mask=row_ok)")
     for k in ks:
-        out.append(f"m = tl.load(sums + {n + k}, mask=row_ok, other=0.0, cache_modifier=\".cg\")")
-        out.append(f"tl.store(posto_ptr + rows64 * N + {k}, 2.0 * _sigmoid(m * r * s_post + tl.load(base_ptr + {n + k})), "
+        out.append(f"tl.store(posto_ptr + rows64 * N + {k}, 2.0 * _sigmoid(m_{n + k} * r * s_post + b_{n + k}), "
                    f"mask=row_ok)")
     out.append("# comb logits c_i_j, then Sinkhorn exactly as the reference truncates it: softmax over j")
     out.append("# (+eps), divide by column sums (+eps), then SINKHORN_ITERS-1 rounds of (rows, columns)")
     for i in ks:
         for j in ks:
             c = 2 * n + i * n + j
-            out.append(f"c_{i}_{j} = tl.load(sums + {c}, mask=row_ok, other=0.0, cache_modifier=\".cg\") * r * s_comb "
-                       f"+ tl.load(base_ptr + {c})")
+            out.append(f"c_{i}_{j} = m_{c} * r * s_comb + b_{c}")
     for i in ks:
         row = [f"c_{i}_{j}" for j in ks]
         out.append(f"mx = {_max_expr(row)}")
         for j in ks:
             out.append(f"c_{i}_{j} = tl.exp(c_{i}_{j} - mx)")
-        out.append(f"s = {' + '.join(row)}")
+        out.append(f"inv = 1.0 / ({' + '.join(row)})")
         for j in ks:
-            out.append(f"c_{i}_{j} = c_{i}_{j} / s + HC_EPS")
+            out.append(f"c_{i}_{j} = c_{i}_{j} * inv + HC_EPS")
     out += _normalise_lines(n, "col", 0)
     out.append("for _ in range(SINKHORN_ITERS - 1):")
     out += _normalise_lines(n, "row", 4)
@@ -712,14 +833,17 @@ def _max_expr(names: list[str]) -> str:
 
 
 def _normalise_lines(n: int, axis: str, indent: int) -> list[str]:
-    """comb / (sum over the other index + eps): `row` sums over j, `col` over i."""
+    """comb / (sum over the other index + eps): `row` sums over j, `col` over i. One division per
+    row (a reciprocal), then n multiplications: the Sinkhorn rounds are one thread's dependent
+    chain per token, so their instruction count is their latency (131 instead of 174 per round
+    on sm_90; x * (1/s) differs from x / s by at most an ulp)."""
     pad = " " * indent
     out = []
     for a in range(n):
         cells = [f"c_{a}_{b}" if axis == "row" else f"c_{b}_{a}" for b in range(n)]
-        out.append(f"{pad}s = {' + '.join(cells)} + HC_EPS")
+        out.append(f"{pad}inv = 1.0 / ({' + '.join(cells)} + HC_EPS)")
         for cell in cells:
-            out.append(f"{pad}{cell} = {cell} / s")
+            out.append(f"{pad}{cell} = {cell} * inv")
     return out
 
 
@@ -739,8 +863,10 @@ def generate_source(spec: MhcSpec) -> str:
         return "" if k == 0 else f" + {k} * {stride}"
 
     # what _load_chunk returns, and the loop's current / next names for it
+    bf16 = spec.stream_dtype == "bfloat16"
+    pieces = [[f"fa_{k}", f"fb_{k}"] if bf16 else [f"w_{k}"] for k in streams]  # fn's block per stream
     loaded = (["y"] if spec.has_post else []) + [f"x_{k}" for k in streams] \
-        + ([f"w_{k}" for k in streams] if spec.has_coefficients else [])
+        + ([name for names in pieces for name in names] if spec.has_coefficients else [])
     load = []
     if spec.has_post:
         load.append("y = tl.load(y_ptr + rows64[:, None] * stride_yt + d[None, :], mask=ok, other=0.0)")
@@ -748,9 +874,19 @@ def generate_source(spec: MhcSpec) -> str:
     if spec.has_coefficients:
         load.append("# fn^T's block for each stream: rows d of stream k, columns 0..SLOT (past WIDTH: zeros)")
         load.append("fcols = tl.arange(0, SLOT)")
+        fn_block = "fcols[None, :].to(tl.int64) * ND + (d + {k} * D)[:, None]"
         load.append("f_ok = ((d < D) & live)[:, None] & (fcols < WIDTH)[None, :]")
-        load += [f"w_{k} = tl.load(fn_ptr + fcols[None, :].to(tl.int64) * ND + (d + {k} * D)[:, None], "
-                 f"mask=f_ok, other=0.0)" for k in streams]
+        if bf16:
+            load.append("if PRESPLIT:  # fn's pieces, split once per launch (mega_mhc_split_fn)")
+            for k in streams:
+                load.append(f"    fa_{k} = tl.load(fns_ptr + {fn_block.format(k=k)}, mask=f_ok, other=0.0)")
+                load.append(f"    fb_{k} = tl.load(fns_ptr + SLOT * ND + {fn_block.format(k=k)}, mask=f_ok, other=0.0)")
+            load.append("else:  # the fp32 block, split by _project")
+            for k in streams:
+                load.append(f"    fa_{k} = tl.load(fn_ptr + {fn_block.format(k=k)}, mask=f_ok, other=0.0)")
+                load.append(f"    fb_{k} = fa_{k}")
+        else:
+            load += [f"w_{k} = tl.load(fn_ptr + {fn_block.format(k=k)}, mask=f_ok, other=0.0)" for k in streams]
     load.append("return " + ", ".join(loaded))
     block("LOAD_LINES", 4, load)
     lines["LOAD_DOC"] = ", ".join(
@@ -775,7 +911,8 @@ def generate_source(spec: MhcSpec) -> str:
     block("POST_LINES", 12, post)
     block("F32_LINES", 8, [f"xf_{k} = x_{k}.to(tl.float32)" for k in streams])
     block("PROJECT_LINES", 12,
-          [f"acc = _project(acc, _opaque(x_{k}, INTERPRETED), w_{k}, INTERPRETED)" for k in streams])
+          [f"acc = _project(acc, _opaque(x_{k}, INTERPRETED), {', '.join(pieces[k])}, {'PRESPLIT, ' if bf16 else ''}INTERPRETED)"
+           for k in streams])
     block("FRESH_PRE_LINES", 4,
           [f"pre_{k} = tl.load(pre_ptr + rows64 * N + {k}, mask=row_ok, other=0.0, cache_modifier=\".cg\")"
            for k in streams])
@@ -784,6 +921,10 @@ def generate_source(spec: MhcSpec) -> str:
     block("FRESH_X_LINES", 12,
           [f"x_{k} = tl.load(x_ptrs{step(k, 'stride_xk')}, mask=ok, other=0.0)" for k in streams])
     block("COEFF_LINES", 8, _coefficient_lines(spec))
+    lines["TRACE_EVENTS"] = len(TRACE_EVENTS)
+    lines["TRACE_CONSTANTS"] = "\n".join(
+        [f"EV_{name.upper()} = tl.constexpr({i})" for i, name in enumerate(TRACE_EVENTS)]
+        + [f"ROLE_{name.upper().replace(' ', '_')} = tl.constexpr({i})" for i, name in enumerate(TRACE_ROLES)])
     lines["SUMSQ_EXPR"] = " + ".join(f"xf_{k} * xf_{k}" for k in streams)
     lines["COLLAPSE_EXPR"] = " + ".join(f"pre_{k}[:, None] * xf_{k}" for k in streams)
 
@@ -810,7 +951,7 @@ def generate_source(spec: MhcSpec) -> str:
     return _TEMPLATE.substitute(
         KEY=spec.key(), SPEC_LINE=spec_line, FORM=spec.form(), N=n, D=spec.dim,
         DTYPE_NAME=spec.stream_dtype, MATH_DOC="\n".join(math_doc), CONSTANTS=_constants(spec),
-        DOT_LINES=_DOT_BF16 if spec.stream_dtype == "bfloat16" else _DOT_FP32, **lines)
+        PROJECT_FUNCTIONS=_PROJECT_BF16 if spec.stream_dtype == "bfloat16" else _PROJECT_FP32, **lines)
 
 
 def kernel_name(spec: MhcSpec) -> str:
@@ -836,11 +977,15 @@ class LaunchConfig:
                  stream's chunk is a [tile_t, block_d] register tile
     split_cols   columns of D per stage-A job (a multiple of block_d); >= D is the tiled variant
     r_splits     split variant: rescale jobs per token tile; 0 = the tile's last arrival rescales
-    pipeline_stages  0: stage A double-buffers one chunk ahead in registers (every tuned row);
-                 k >= 2: the chunk loads sit in a `tl.range(num_stages=k)` loop and Triton's
-                 pipeliner keeps k - 1 chunks in flight through shared memory (cp.async). Built
-                 for sm_90: ~210 registers instead of ~244 and 44 KB of shared memory per stage
-                 (tools.hopper_builds); not measured on the H200 yet, so no row uses it.
+    pipeline_stages  0: stage A double-buffers one chunk ahead in registers; k >= 2: the chunk
+                 loads sit in a `tl.range(num_stages=k)` loop and Triton's pipeliner keeps k - 1
+                 chunks in flight through shared memory (cp.async): on sm_90 ~210 registers
+                 instead of ~244 and 44 KB of shared memory per stage (tools.hopper_builds); the
+                 tuned rows from T=512 up use k = 3
+    presplit_fn  bf16 streams with coefficients: a first launch splits fn into its bf16 pieces
+                 once (mega_mhc_split_fn), and stage A loads those instead of splitting its fp32
+                 block again in every token tile (the split is ~1/3 of stage A's instructions per
+                 chunk on sm_90, repeated T / tile_t times per launch)
     """
     tile_t: int
     block_d: int
@@ -849,6 +994,7 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 2
     pipeline_stages: int = 0
+    presplit_fn: bool = False
 
     def variant(self, dim: int) -> str:
         return "tiled" if self.split_cols >= dim else "split"
@@ -856,22 +1002,25 @@ class LaunchConfig:
 
 # CUDA launch table: the fastest correct configuration of tools/bench_mhc.py --sweep on one H200
 # (D=5120, n=4, bf16 streams, delayed seam, CUDA-graph replay; results/bench_mhc.json "sweep").
-# Rows: (max T, tile_t, block_d, split_cols, r_splits, warps).
-#   T=1    160 one-chunk stage-A jobs + 10 rescale jobs   11.3 us (last arrival rescaling: 13.2 us)
-#   T=64   4 tiles x 40 slices + 10 rescale jobs a tile   17.1 us (32-token tiles: 24.5 us)
-#   T=512  32 tiles x 10 slices + 5 rescale jobs a tile   44.8 us (32/64-token tiles: 65-79 us)
-# Above SPLIT_MAX_T the tiled variant (one 16-token tile per program, 256 programs at T=4096:
-# 209 us, against 271 us for 64-token tiles split in two). 16-token tiles win everywhere: with
-# ~240 registers a thread, two 4-warp programs share an SM, and more, smaller programs hide the
+# Rows: (max T, tile_t, block_d, split_cols, r_splits, warps, pipeline_stages, presplit_fn).
+#   T=1    160 one-chunk stage-A jobs + 10 rescale jobs    9.4 us (8 warps 10.6, 64-column jobs 10.1)
+#   T=64   4 tiles x 40 slices + 10 rescale jobs a tile   15.2 us (pipelined 15.5, presplit fn 18.0)
+#   T=512  32 tiles x 10 slices + 5 rescale jobs a tile,  38.4 us (not pipelined 59.3, + presplit fn
+#          stage A pipelined 3 deep                              39.4, 32-token tiles 48.0)
+# Above SPLIT_MAX_T the tiled variant: one 16-token tile per program (256 programs at T=4096),
+# stage A pipelined 3 deep, fn split once per launch: 177.5 us (not presplit 186.4, neither 207.4,
+# split in two 181.4, 32-token tiles 249.5). 16-token tiles win everywhere: with ~190-245
+# registers a thread, two 4-warp programs share an SM, and more, smaller programs hide the
 # sweep's memory latency better than larger tiles amortise fn. The threshold 2048 is where the
 # tiled variant reaches one program per SM (128 at T=2048); between 512 and 4096 it is not measured.
+# presplit_fn only applies to bf16 streams with coefficients (choose_config drops it otherwise).
 SPLIT_MAX_T = 2048
 _CUDA_TABLE = (
-    (16, 16, 32, 32, 16, 4),
-    (128, 16, 64, 128, 32, 4),
-    (SPLIT_MAX_T, 16, 32, 512, 8, 4),
+    (16, 16, 32, 32, 16, 4, 0, False),
+    (128, 16, 64, 128, 32, 4, 0, False),
+    (SPLIT_MAX_T, 16, 32, 512, 8, 4, 3, False),
 )
-_CUDA_TILED = (16, 64, 4)  # tile_t, block_d, warps above SPLIT_MAX_T
+_CUDA_TILED = (16, 64, 4, 3, True)  # tile_t, block_d, warps, pipeline_stages, presplit_fn above SPLIT_MAX_T
 
 
 def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = "cuda",
@@ -898,14 +1047,17 @@ def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = 
         return LaunchConfig(16, block_d, split_cols, r_splits=0)
     if variant is None:
         variant = "split" if n_tokens <= SPLIT_MAX_T else "tiled"
+    presplit_ok = spec.has_coefficients and spec.stream_dtype == "bfloat16"
     if variant == "tiled":
-        tile_t, block_d, warps = _CUDA_TILED
-        return LaunchConfig(tile_t, block_d, _round_up(D, block_d), num_warps=warps)
+        tile_t, block_d, warps, stages, presplit = _CUDA_TILED
+        return LaunchConfig(tile_t, block_d, _round_up(D, block_d), num_warps=warps, pipeline_stages=stages,
+                            presplit_fn=presplit and presplit_ok)
     row = next((r for r in _CUDA_TABLE if n_tokens <= r[0]), _CUDA_TABLE[-1])
-    _, tile_t, block_d, split_cols, r_splits, warps = row
+    _, tile_t, block_d, split_cols, r_splits, warps, stages, presplit = row
     if split_cols >= D:  # D too small to split at these sizes: 16-column slices
         block_d = split_cols = 16
-    return LaunchConfig(tile_t, block_d, split_cols, r_splits, num_warps=warps)
+    return LaunchConfig(tile_t, block_d, split_cols, r_splits, num_warps=warps, pipeline_stages=stages,
+                        presplit_fn=presplit and presplit_ok)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -986,12 +1138,13 @@ def reset_sync(device: torch.device | str = "cuda") -> None:
 _kernels: dict[tuple[str, bool], object] = {}
 
 
-def load(spec: MhcSpec, interpret: bool):
-    """The jitted kernel of `spec` for one mode (writes the source to the cache on first use)."""
-    memo = (spec.key(), interpret)
+def load(spec: MhcSpec, interpret: bool, name: str = KERNEL_NAME):
+    """The jitted kernel `name` of `spec`'s module for one mode (writes the source to the cache on
+    first use)."""
+    memo = (spec.key(), interpret, name)
     kernel = _kernels.get(memo)
     if kernel is None:
-        kernel = kernel_cache.load_kernel(source_path(spec), KERNEL_NAME, interpret)
+        kernel = kernel_cache.load_kernel(source_path(spec), name, interpret)
         _kernels[memo] = kernel
     return kernel
 
@@ -1058,6 +1211,9 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
     if cfg.tile_t < 16 or cfg.tile_t & (cfg.tile_t - 1) or cfg.block_d < 16 or cfg.block_d & (cfg.block_d - 1) \
             or cfg.split_cols % cfg.block_d or cfg.r_splits < 0:
         raise ValueError(f"mega_mhc: inconsistent launch config {cfg}")
+    if cfg.presplit_fn and not (spec.has_coefficients and spec.stream_dtype == "bfloat16"):
+        raise ValueError(f"mega_mhc: presplit_fn needs bf16 streams and coefficients (fn), not the "
+                         f"{spec.stream_dtype} {spec.form()} form: {cfg}")
     n_tiles = -(-T // cfg.tile_t)
     n_chunks = -(-spec.dim // cfg.block_d)
     split_chunks = min(cfg.split_cols // cfg.block_d, n_chunks)
@@ -1075,7 +1231,8 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
 
 
 def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec, *,
-             variant: str | None = None, config: LaunchConfig | None = None, out=None):
+             variant: str | None = None, config: LaunchConfig | None = None, out=None,
+             trace: torch.Tensor | None = None):
     """(X' or None, u, pre' or None, post' or None, comb' or None) of the seam, in one launch.
 
     streams [T, n, D] (stream dtype), y [T, D] (stream dtype or fp32), post [T, n], comb [T, n, n],
@@ -1083,7 +1240,9 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     Arguments the spec does not use may be None (and are ignored). `variant` forces "split" or
     "tiled" (default: chosen from T); `config` overrides the tiling (benchmark sweeps). `out`
     optionally supplies the five output tensors (None where the spec has no such output; tests and
-    benchmarks poison them to prove every element is written). Inputs are never modified.
+    benchmarks poison them to prove every element is written). `trace` (CUDA only): an int64
+    [programs, len(TRACE_EVENTS)] tensor (`trace_shape`) that a traced build of the kernel fills
+    with per-program event times (see TRACE_EVENTS). Inputs are never modified.
     """
     validate(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)
     n, D = spec.n, spec.dim
@@ -1110,6 +1269,8 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
 
     cfg = config or choose_config(spec, T, device=device, variant=variant)
     plan = _plan(spec, cfg, T)
+    if trace is not None:
+        _check_trace(trace, plan, device)
     n_tiles, n_splits = plan["n_tiles"], plan["n_splits"]
     acc_elems = n_tiles * cfg.tile_t * _slot_width(n)
     interpret = device.type != "cuda"
@@ -1125,24 +1286,45 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         sync = ws = acc  # unused
     x_stride = (streams.stride(0), streams.stride(1))
     dummy = streams  # any tensor: pointers the spec never dereferences
+    fn_pieces = dummy
+    if cfg.presplit_fn:
+        fn_pieces = torch.empty((2, _slot_width(n), n * D), dtype=torch.bfloat16, device=device)
+        split = load(spec, interpret=interpret, name=SPLIT_FN_KERNEL)
+        split[(-(-n * D // SPLIT_FN_BLOCK), spec.width())](fn, fn_pieces, BLOCK=SPLIT_FN_BLOCK, num_warps=4)
     kernel = load(spec, interpret=interpret)
     kernel[(plan["n_jobs"],)](
         streams, y if y is not None else dummy, post if post is not None else dummy,
         comb if comb is not None else dummy, carried_pre if carried_pre is not None else dummy,
-        fn if spec.has_coefficients else dummy, base if spec.has_coefficients else dummy,
+        fn if spec.has_coefficients else dummy, fn_pieces, base if spec.has_coefficients else dummy,
         scale if spec.has_coefficients else dummy, norm_weight,
         x_out if x_out is not None else u, u,
         pre_out if pre_out is not None else acc, post_out if post_out is not None else acc,
-        comb_out if comb_out is not None else acc, acc, ws, sync,
+        comb_out if comb_out is not None else acc, acc, ws, sync, trace if trace is not None else acc,
         T, x_stride[0], x_stride[1], y.stride(0) if y is not None else 0,
         post.stride(0) if post is not None else 0, comb.stride(0) if comb is not None else 0,
         carried_pre.stride(0) if carried_pre is not None else 0, n_tiles,
         TILE_T=cfg.tile_t, BLOCK_D=cfg.block_d, N_CHUNKS=plan["n_chunks"],
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
         R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], PIPELINE_STAGES=cfg.pipeline_stages,
-        INTERPRETED=interpret,
-        MAX_SPINS=1 << 10 if interpret else 1 << 22, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PRESPLIT=cfg.presplit_fn, INTERPRETED=interpret,
+        MAX_SPINS=1 << 10 if interpret else 1 << 22, TRACE=trace is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return tuple(out)
+
+
+def trace_shape(spec: MhcSpec, n_tokens: int, config: LaunchConfig) -> tuple[int, int]:
+    """The shape of the `trace` tensor a launch of `config` at `n_tokens` tokens fills."""
+    return _plan(spec, config, n_tokens)["n_jobs"], len(TRACE_EVENTS)
+
+
+def _check_trace(trace: torch.Tensor, plan: dict, device) -> None:
+    if device.type != "cuda":
+        raise ValueError("mega_mhc: trace needs a CUDA device (the interpreter has no %globaltimer)")
+    want = (plan["n_jobs"], len(TRACE_EVENTS))
+    if tuple(trace.shape) != want or trace.dtype != torch.int64 or trace.device != device \
+            or not trace.is_contiguous():
+        raise ValueError(f"mega_mhc: trace must be a contiguous int64 {list(want)} tensor on {device}, "
+                         f"got {trace.dtype} {list(trace.shape)} on {trace.device}")
+    trace.zero_()
 
 
 def _check_out(out, spec: MhcSpec, T: int, device) -> None:

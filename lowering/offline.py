@@ -92,7 +92,8 @@ def _recording(module):
     load, recorders = module.load, []
 
     def recording_load(spec, *args, **kwargs):
-        recorders.append(_Recorder(load(spec, interpret=False)))
+        kwargs["interpret"] = False  # (a kernel name, where a module has several, passes through)
+        recorders.append(_Recorder(load(spec, **kwargs)))
         return recorders[-1]
 
     module.load = recording_load

@@ -135,6 +135,11 @@ def correctness_suite(device, dry: bool, log) -> list:
                  ("v4_fresh/epilogue-jobs", dataclasses.replace(delayed, pre="fresh"), 70, None,
                   LaunchConfig(16, 64, 512, r_splits=8)),
                  ("delayed", delayed, 2100, "tiled", None)]
+    # fn split once per launch: the tiled and the epilogue-job split variants, delayed and fresh
+    runs += [("delayed/presplit-fn", delayed, 37 if dry else 600, None,
+              LaunchConfig(16, 32, 4096 if dry else 5120, pipeline_stages=3, presplit_fn=True)),
+             ("v4_fresh/presplit-fn", dataclasses.replace(delayed, pre="fresh"), 37 if dry else 300, None,
+              LaunchConfig(16, 32, 64 if dry else 512, r_splits=2 if dry else 8, presplit_fn=True))]
     fp32 = dataclasses.replace(delayed, stream_dtype="float32")
     runs += [("delayed fp32", fp32, 37, "split", None)] + ([("delayed fp32", fp32, 3, "tiled", None)] if dry else [])
     odd = dataclasses.replace(delayed, dim=odd_D)
@@ -191,23 +196,29 @@ def sync_state_clean() -> dict:
 # ------------------------------------------------------------------------------------------------
 
 def sweep_configs(T: int) -> list[LaunchConfig]:
-    """Launch configurations timed by --sweep: (tile_t, block_d, split_cols, r_splits, warps)."""
+    """Launch configurations timed by --sweep (after the tuned one): per band of T, the tuned row's
+    neighbours in tiling and warps, stage A pipelined by Triton (`pipeline_stages`), and fn split
+    once per launch (`presplit_fn`) where token tiles would split it many times over."""
     C = LaunchConfig
     if T <= 16:
-        configs = [C(16, 64, 64, 8), C(16, 32, 64, 8), C(16, 32, 32, 16), C(16, 64, 128, 8)]
-    elif T <= 128:
-        configs = [C(16, 64, 128, 32), C(16, 32, 64, 16), C(16, 32, 128, 16), C(32, 32, 128, 16, num_warps=8)]
-    elif T <= 1024:
-        configs = [C(16, 64, 1024, 8), C(16, 32, 512, 8), C(32, 32, 512, 8, num_warps=8),
-                   C(64, 32, 512, 8, num_warps=8)]
-    else:
-        configs = [C(16, 64, 5120), C(16, 32, 5120), C(32, 32, 5120), C(64, 32, 2560, 4, num_warps=8)]
-    # stage A pipelined by Triton (chunks in flight through shared memory), on the tuned row and on
-    # the other 16-token tiles of the band: built offline (tools.hopper_builds), not yet timed
-    tuned = mm.choose_config(V41, T, device="cuda")
-    for stages in (2, 3):
-        configs += [dataclasses.replace(c, pipeline_stages=stages) for c in dict.fromkeys([tuned, *configs[:2]])]
-    return configs
+        return [C(16, 32, 32, 16, num_warps=2), C(16, 32, 32, 16, num_warps=8), C(16, 64, 64, 8), C(16, 32, 64, 8)]
+    if T <= 128:
+        return [C(16, 32, 64, 16), C(16, 64, 128, 32, num_warps=8), C(16, 64, 128, 32, pipeline_stages=2),
+                C(16, 32, 128, 16, pipeline_stages=3), C(16, 64, 128, 32, presplit_fn=True),
+                C(16, 64, 128, 32, pipeline_stages=3, presplit_fn=True)]
+    if T <= 1024:
+        return [C(16, 32, 512, 8, pipeline_stages=3), C(16, 32, 512, 8, presplit_fn=True),
+                C(16, 32, 512, 8, pipeline_stages=3, presplit_fn=True),
+                C(16, 32, 256, 8, pipeline_stages=3, presplit_fn=True),
+                C(16, 64, 512, 8, pipeline_stages=3, presplit_fn=True),
+                C(16, 64, 1024, 8, pipeline_stages=3, presplit_fn=True),
+                C(32, 32, 512, 8, pipeline_stages=3, presplit_fn=True)]
+    return [C(16, 64, 5120, pipeline_stages=3), C(16, 64, 5120, pipeline_stages=3, presplit_fn=True),
+            C(16, 64, 5120, pipeline_stages=2, presplit_fn=True),
+            C(16, 32, 5120, pipeline_stages=3, presplit_fn=True),
+            C(32, 32, 5120, pipeline_stages=3, presplit_fn=True),
+            C(16, 64, 2560, 4, pipeline_stages=3, presplit_fn=True),
+            C(64, 32, 2560, 4, num_warps=8, pipeline_stages=3, presplit_fn=True)]
 
 
 def run_sweep(T: int, device, log) -> list:
@@ -229,6 +240,62 @@ def run_sweep(T: int, device, log) -> list:
         log(f"  T={T:5d} {cfg} jobs={r['plan']['n_jobs']} -> {r.get('graph_us', float('nan')):8.2f} us "
             f"{'ok' if r.get('check', {}).get('ok') else 'FAIL ' + str(r.get('check', '')) + r.get('error', '')[:300]}")
     return rows
+
+
+def trace_T(T: int, device, cfg: LaunchConfig, log, replays: int = 7) -> dict:
+    """Where one launch's time goes: a CUDA graph of one traced launch (`mega_mhc(trace=...)`) is
+    replayed `replays` times; per replay, every program's event times are taken relative to the
+    earliest program start, and summarised per role (median and max over programs); the medians of
+    those over the replays are reported, in us, with the span (first start to last end)."""
+    args = make_inputs(V41, T, device, seed=T + 5)
+    trace = torch.zeros(mm.trace_shape(V41, T, cfg), dtype=torch.int64, device=device)
+    mm.mega_mhc(*args, V41, config=cfg, trace=trace)  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mm.mega_mhc(*args, V41, config=cfg, trace=trace)
+    rows = []
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        rows.append(trace.cpu())
+    times = mm.TRACE_TIMES
+    summaries = []
+    for t in rows:
+        start = t[:, 0][t[:, 0] > 0].min()
+        s = {"span_us": float((t[:, times.index("end")].max() - start) / 1e3), "roles": {}}
+        for role_id, role in enumerate(mm.TRACE_ROLES):
+            mine = t[t[:, mm.TRACE_EVENTS.index("role")] == role_id]
+            if len(mine) == 0:
+                continue
+            r = s["roles"][role] = {"programs": len(mine)}
+            for k, name in enumerate(times):
+                hit = mine[:, k][mine[:, k] > 0]
+                if len(hit):
+                    us = (hit - start).double() / 1e3
+                    r[name] = {"n": len(hit), "median_us": float(us.median()), "max_us": float(us.max())}
+        summaries.append(s)
+    out = {"config": dataclasses.asdict(cfg), "plan": mm._plan(V41, cfg, T), "replays": replays,
+           "span_us": _median([s["span_us"] for s in summaries]), "roles": {}}
+    for role, r0 in summaries[0]["roles"].items():
+        role_out = out["roles"][role] = {"programs": r0["programs"]}
+        for name in times:
+            vals = [s["roles"][role][name] for s in summaries if name in s["roles"].get(role, {})]
+            if vals:
+                role_out[name] = {"n": vals[0]["n"], "median_us": _median([v["median_us"] for v in vals]),
+                                  "max_us": _median([v["max_us"] for v in vals])}
+    log(f"  T={T} trace: span {out['span_us']:.2f} us, {out['plan']['n_jobs']} programs ({cfg})")
+    for role, r in out["roles"].items():
+        cells = "  ".join(f"{name} {r[name]['median_us']:.2f}/{r[name]['max_us']:.2f}"
+                          + (f" (n={r[name]['n']})" if r[name]["n"] != r["programs"] else "")
+                          for name in times if name in r)
+        log(f"    {role:9s} x{r['programs']:<4d} median/max us after first start: {cells}")
+    return out
+
+
+def _median(values: list) -> float:
+    values = sorted(values)
+    return float(values[len(values) // 2])
 
 
 def seam_bytes(T: int, spec: MhcSpec = V41) -> int:
@@ -289,6 +356,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, toy sizes, correctness only")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--trace", action="store_true",
+                    help="also record where each T's launch spends its time (per-program event times)")
     args = ap.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -332,6 +401,11 @@ def main(argv=None) -> int:
                 best = min(ok, key=lambda x: x["graph_us"])
                 configs[T] = LaunchConfig(**best["config"])
                 log(f"sweep T={T}: best {best['graph_us']:.2f} us with {configs[T]}")
+    if args.trace:
+        res["trace"] = {}
+        for T in tokens:
+            stage(f"trace_T{T}", lambda T=T: trace_T(T, device, configs[T], log))
+            res["trace"][T] = res.pop(f"trace_T{T}", None)
     res["results"] = []
     for T in tokens:
         stage(f"bench_T{T}", lambda T=T: bench_T(T, device, configs[T], log))

@@ -210,10 +210,11 @@ def observe_launches(ops: list[str]):
             first.setdefault(key, (_op, _launcher, args, kwargs))
             return out
 
-        def wrapped_load(spec, *args, _load=load, **kwargs):
+        def wrapped_load(spec, *args, _load=load, _main=getattr(module, "KERNEL_NAME", None), **kwargs):
             kernel = _load(spec, *args, **kwargs)
             interpret = kwargs.get("interpret", args[0] if args else True)
-            return kernel if interpret else _CapturingKernel(kernel, spec.key(), compiled)
+            helper = kwargs.get("name", _main) != _main  # e.g. mega_mhc_split_fn before a presplit launch
+            return kernel if interpret or helper else _CapturingKernel(kernel, spec.key(), compiled)
 
         restore += [(module, name, launcher), (module, "load", load)]
         setattr(module, name, wrapped_launcher)
@@ -232,7 +233,8 @@ def _hopper_build(op: str, launcher, args: tuple, kwargs: dict) -> dict:
     spec = next(a for a in (*args, *kwargs.values()) if dataclasses.is_dataclass(a) and hasattr(a, "key"))
     config = module.choose_config(spec, args[0].shape[0], device="cuda")
     try:
-        (build,) = offline.build_launch(module, launcher, *args, **{**kwargs, "config": config})
+        builds = offline.build_launch(module, launcher, *args, **{**kwargs, "config": config})
+        build = next(b for b in builds if b.name == module.KERNEL_NAME)  # not a helper launched first
     except Exception as e:  # e.g. a Triton without its bundled ptxas: say so; the rest of inspect stands
         return {"note": f"not available: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     return {"target": build.target, "registers": build.registers, "stack_bytes": build.stack_bytes,

@@ -236,3 +236,52 @@ def test_describe_names_the_form_and_outputs():
     d = make_spec("v4_fresh", "bfloat16").describe()
     assert d["form"].startswith("V4 non-delayed") and d["unsupported"] is None
     assert d["width"] == 24 and d["slot"] == 32 and d["outputs"] == ["streams", "u", "pre", "post", "comb"]
+
+
+# presplit_fn: fn split into its bf16 pieces once per launch (mega_mhc_split_fn), stage A loading
+# the pieces: tiled (register double-buffered and pipelined), split with last arrival, and split
+# with epilogue jobs
+PRESPLIT_CASES = ((37, LaunchConfig(16, 32, 4096, presplit_fn=True)),
+                  (21, LaunchConfig(16, 32, 4096, pipeline_stages=3, presplit_fn=True)),
+                  (3, LaunchConfig(16, 32, 64, presplit_fn=True)),
+                  (37, LaunchConfig(16, 32, 64, r_splits=3, presplit_fn=True)))
+
+
+@pytest.mark.parametrize("form", ["delayed", "first_seam", "v4_fresh", "v4_fresh_no_post"])
+def test_presplit_fn_equals_the_reference_and_the_inline_split(form):
+    spec = make_spec(form, "bfloat16")
+    for i, (T, cfg) in enumerate(PRESPLIT_CASES):
+        run_case(spec, T, cfg, seed=31 * i + T, one_hot_pre=form == "first_seam")
+    # the same pieces as the in-kernel split: the tiled variant (no atomics) gives identical bits
+    args = make_inputs(spec, 37, seed=5, one_hot_pre=form == "first_seam")
+    inline = mega_mhc(*args, spec, config=LaunchConfig(16, 32, 4096))
+    presplit = mega_mhc(*args, spec, config=LaunchConfig(16, 32, 4096, presplit_fn=True))
+    for a, b in zip(inline, presplit):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_split_fn_kernel_writes_pieces_that_sum_to_fn():
+    spec = make_spec("delayed", "bfloat16")
+    fn = make_inputs(spec, 1, seed=3)[5]
+    pieces = torch.full((2, 32, spec.n * D), float("nan"), dtype=torch.bfloat16)
+    mm.load(spec, interpret=True, name=mm.SPLIT_FN_KERNEL)[(-(-spec.n * D // 64), spec.width())](fn, pieces, BLOCK=64)
+    hi, lo = pieces[0, :spec.width()].float(), pieces[1, :spec.width()].float()
+    assert torch.isfinite(hi).all() and torch.isfinite(lo).all()
+    assert ((hi + lo - fn).abs() <= fn.abs() * 2.0 ** -15).all()  # 16 of fp32's 24 mantissa bits
+    assert ((hi - fn).abs() > fn.abs() * 2.0 ** -12).any()  # lo carries real bits: hi alone is bf16
+
+
+@pytest.mark.parametrize("form, dtype", [("delayed", "float32"), ("final_collapse", "bfloat16")])
+def test_presplit_fn_needs_bf16_streams_and_coefficients(form, dtype):
+    spec = make_spec(form, dtype)
+    with pytest.raises(ValueError, match="presplit_fn needs bf16 streams and coefficients"):
+        mega_mhc(*make_inputs(spec, 3, seed=1), spec, config=LaunchConfig(16, 32, 4096, presplit_fn=True))
+
+
+def test_trace_is_cuda_only_and_checked():
+    spec = make_spec()
+    cfg = LaunchConfig(16, 32, 64, r_splits=2)
+    assert mm.trace_shape(spec, 37, cfg) == (mm._plan(spec, cfg, 37)["n_jobs"], len(mm.TRACE_EVENTS))
+    trace = torch.zeros(mm.trace_shape(spec, 37, cfg), dtype=torch.int64)
+    with pytest.raises(ValueError, match="trace needs a CUDA device"):
+        mega_mhc(*make_inputs(spec, 37, seed=1), spec, config=cfg, trace=trace)

@@ -9,6 +9,7 @@ registers by design; the H200's own builds report none: results/tools/inspect_pr
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -22,7 +23,7 @@ def _check(build: offline.Build):
     assert 0 <= build.shared_bytes <= offline.HOPPER_SMEM_PER_BLOCK
     assert build.stack_bytes == 0, f"{build.name}: {build.stack_bytes} B of stack / local memory per thread (spills)"
     assert build.registers is not None and build.registers <= 255
-    assert build.constexprs["INTERPRETED"] is False  # the compiler's branches were built
+    assert build.constexprs.get("INTERPRETED", False) is False  # the compiler's branches were built
 
 
 @pytest.mark.parametrize("T", hopper_builds.TOKENS)  # both mhc variants, every gate band
@@ -76,12 +77,29 @@ def test_a_pipelined_stage_a_builds_with_async_copies_and_fewer_registers(T):
     # through shared memory. It must really be pipelined (cp.async in the PTX), and it is worth a
     # sweep only because it frees registers (the tuned double-buffered build has none to spare).
     tuned = mega_mhc.choose_config(hopper_builds.mhc_spec("delayed"), T, device="cuda")
-    buffered = hopper_builds.build_mhc("delayed", T)
+    buffered = hopper_builds.build_mhc("delayed", T, config=dataclasses.replace(tuned, pipeline_stages=0))
     pipelined = hopper_builds.build_mhc("delayed", T, config=dataclasses.replace(tuned, pipeline_stages=3))
     _check(pipelined)
     assert "cp.async" not in buffered.ptx and pipelined.ptx.count("cp.async") > 0
     assert pipelined.registers < buffered.registers
     assert pipelined.shared_bytes > buffered.shared_bytes  # two chunks in flight, in shared memory
+
+
+def test_presplit_fn_launches_the_split_kernel_first_and_drops_the_split_from_stage_a():
+    # LaunchConfig.presplit_fn: fn's bf16 pieces come from one small kernel per launch, so the seam
+    # kernel no longer converts fn to bf16 (cvt.rn.bf16.f32 in PTX) in every chunk of every tile
+    spec = hopper_builds.mhc_spec("delayed")
+    tuned = mega_mhc.choose_config(spec, 4096, device="cuda")
+    assert tuned.presplit_fn and tuned.pipeline_stages == 3  # the T=4096 row
+    split, seam = offline.build_launch(mega_mhc, mega_mhc.mega_mhc, *hopper_builds.mhc_inputs(spec, 4096), spec,
+                                       config=tuned)
+    inline = hopper_builds.build_mhc("delayed", 4096, config=dataclasses.replace(tuned, presplit_fn=False))
+    assert split.name == mega_mhc.SPLIT_FN_KERNEL and split.grid == (20, 24)  # 20480 / 1024 columns x 24 rows
+    _check(split)
+    _check(seam)
+    converts = lambda b: len(re.findall(r"cvt\.rn\.bf16(x2)?\.f32", b.ptx))
+    assert converts(split) > 0 and converts(seam) < converts(inline) // 2
+    assert seam.registers < inline.registers
 
 
 def test_programs_per_sm_is_the_tightest_hopper_limit():
