@@ -95,13 +95,14 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json): CUDA-graph replay 9.4 / 14.9 / 38.5 / 178 us at
-T = 1 / 64 / 512 / 4096 against 62 / 95 / 304 / 1782 us for the same chain under torch.compile.
+Measured (H200, results/bench_mhc.json): CUDA-graph replay 9.2 / 15.1 / 37.6 / 175 us at
+T = 1 / 64 / 512 / 4096 against 61 / 100 / 301 / 1769 us for the same chain under torch.compile.
 Where the time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the first start):
-at T=1, job claim 0.45 us, stage A done 1.95, arrived 3.2-3.7 (the release fence waits for the
-partial-sum atomics), coefficients + Sinkhorn done 6.8, rescale done 7.7-7.8, last program ends
-8.7; at T=64 stage A takes 5.7 us (two [16, 64] chunks: ~2.5 us each, instruction latency with
-~1.5 programs per SM); at T=4096 the sweep ends at 146 us and the merge + rescale tail at 170-176.
+at T=1, job claim 0.5 us, stage A done 2.1, arrived 3.4-3.9 (the release fence waits for the
+partial-sum atomics), coefficients + Sinkhorn done 7.0, rescale done 7.9-8.1, last program ends
+8.7; at T=64 stage A takes 5.6 us (two [16, 64] chunks, ~2.5 us each: instruction latency with
+~1.5 programs per SM); at T=4096 the sweep ends at 144-154 us and the merge + rescale tail at
+166-171 (the parked collapse is re-read from HBM by every tile at once).
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
 launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
 """
@@ -658,8 +659,11 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                      INTERPRETED)
             _stamp(trace_ptr, EV_WORK, TRACE)
         # The last job to finish restores the all-zero sync state: every job number has been
-        # claimed and every wait of this launch is over.
-        if _arrive(sync_ptr + DONE_COUNTER) == n_jobs - 1:
+        # claimed and every wait of this launch is over. Relaxed: nothing is published through
+        # this counter (every thread's waits are over at the barrier, and the next launch is
+        # stream-ordered after this one), so it skips the release fence, ~0.3 us at the launch's end.
+        tl.debug_barrier()
+        if tl.atomic_add(sync_ptr + DONE_COUNTER, 1, sem="relaxed") == n_jobs - 1:
             for i in range(0, n_tiles * 4, 1024):
                 offs = i + tl.arange(0, 1024)
                 tl.store(sync_ptr + TILE_SYNC + offs, tl.full([1024], 0, dtype=tl.int32),
@@ -685,7 +689,9 @@ $PROJECT_LINES
             # hc_pre with the carried pre, rounded like the reference; parked in u until the
             # norm's statistic (the whole row) is known
             collapsed = _round($COLLAPSE_EXPR, INTERPRETED)
-            tl.store(u_ptr + rows64[:, None] * D + d[None, :], collapsed, mask=ok)
+            # evict_last: the rescale reads it back at the tile's end; the streams (loads and X')
+            # are evict_first, so at large T the parked collapse is what stays in L2
+            tl.store(u_ptr + rows64[:, None] * D + d[None, :], collapsed, mask=ok, eviction_policy="evict_last")
             cf = collapsed.to(tl.float32)
             csq += tl.reduce(cf * cf, 1, _add)
 ''')
@@ -869,8 +875,10 @@ def generate_source(spec: MhcSpec) -> str:
         + ([name for names in pieces for name in names] if spec.has_coefficients else [])
     load = []
     if spec.has_post:
-        load.append("y = tl.load(y_ptr + rows64[:, None] * stride_yt + d[None, :], mask=ok, other=0.0)")
-    load += [f"x_{k} = tl.load(x_ptrs{step(k, 'stride_xk')}, mask=ok, other=0.0)" for k in streams]
+        load.append("y = tl.load(y_ptr + rows64[:, None] * stride_yt + d[None, :], mask=ok, other=0.0, "
+                    "eviction_policy=\"evict_first\")")
+    load += [f"x_{k} = tl.load(x_ptrs{step(k, 'stride_xk')}, mask=ok, other=0.0, eviction_policy=\"evict_first\")"
+             for k in streams]
     if spec.has_coefficients:
         load.append("# fn^T's block for each stream: rows d of stream k, columns 0..SLOT (past WIDTH: zeros)")
         load.append("fcols = tl.arange(0, SLOT)")
@@ -907,7 +915,8 @@ def generate_source(spec: MhcSpec) -> str:
         mix = " + ".join(f"comb_{i}_{j}[:, None] * xf_{i}" for i in streams)
         post.append(f"x_{j} = _round(post_{j}[:, None] * yf + ({mix}), INTERPRETED)")
     for j in streams:
-        post.append(f"tl.store(xo_ptr + rows64[:, None] * ND + ({j} * D) + d[None, :], x_{j}, mask=ok)")
+        post.append(f"tl.store(xo_ptr + rows64[:, None] * ND + ({j} * D) + d[None, :], x_{j}, mask=ok, "
+                    f"eviction_policy=\"evict_first\")")
     block("POST_LINES", 12, post)
     block("F32_LINES", 8, [f"xf_{k} = x_{k}.to(tl.float32)" for k in streams])
     block("PROJECT_LINES", 12,
@@ -981,7 +990,7 @@ class LaunchConfig:
                  loads sit in a `tl.range(num_stages=k)` loop and Triton's pipeliner keeps k - 1
                  chunks in flight through shared memory (cp.async): on sm_90 ~210 registers
                  instead of ~244 and 44 KB of shared memory per stage (tools.hopper_builds); the
-                 tuned rows from T=512 up use k = 3
+                 tuned rows use k = 2 at T=64 and k = 3 from T=512 up
     presplit_fn  bf16 streams with coefficients: a first launch splits fn into its bf16 pieces
                  once (mega_mhc_split_fn), and stage A loads those instead of splitting its fp32
                  block again in every token tile (the split is ~1/3 of stage A's instructions per
@@ -1003,21 +1012,24 @@ class LaunchConfig:
 # CUDA launch table: the fastest correct configuration of tools/bench_mhc.py --sweep on one H200
 # (D=5120, n=4, bf16 streams, delayed seam, CUDA-graph replay; results/bench_mhc.json "sweep").
 # Rows: (max T, tile_t, block_d, split_cols, r_splits, warps, pipeline_stages, presplit_fn).
-#   T=1    160 one-chunk stage-A jobs + 10 rescale jobs    9.4 us (8 warps 10.6, 64-column jobs 10.1)
-#   T=64   4 tiles x 40 slices + 10 rescale jobs a tile   15.2 us (pipelined 15.5, presplit fn 18.0)
-#   T=512  32 tiles x 10 slices + 5 rescale jobs a tile,  38.4 us (not pipelined 59.3, + presplit fn
-#          stage A pipelined 3 deep                              39.4, 32-token tiles 48.0)
+#   T=1    160 one-chunk stage-A jobs + 10 rescale jobs    9.3 us (2 / 8 warps 10.1 / 10.6, 64-column
+#                                                                  jobs 9.7)
+#   T=64   4 tiles x 40 slices + 10 rescale jobs a tile,  14.7 us (not pipelined 15.2, presplit fn 17.3)
+#          stage A pipelined 2 deep
+#   T=512  32 tiles x 10 slices + 5 rescale jobs a tile,  37.7 us (presplit fn 38.8, not pipelined
+#          stage A pipelined 3 deep                              63.1 with presplit fn, 32-token tiles 47.1)
 # Above SPLIT_MAX_T the tiled variant: one 16-token tile per program (256 programs at T=4096),
-# stage A pipelined 3 deep, fn split once per launch: 177.5 us (not presplit 186.4, neither 207.4,
-# split in two 181.4, 32-token tiles 249.5). 16-token tiles win everywhere: with ~190-245
-# registers a thread, two 4-warp programs share an SM, and more, smaller programs hide the
-# sweep's memory latency better than larger tiles amortise fn. The threshold 2048 is where the
-# tiled variant reaches one program per SM (128 at T=2048); between 512 and 4096 it is not measured.
-# presplit_fn only applies to bf16 streams with coefficients (choose_config drops it otherwise).
+# stage A pipelined 3 deep, fn split once per launch: 173.9 us (not presplit 184.0, pipelined 2
+# deep 215.4, split in two 177.1, 32-token tiles 245.9). 16-token tiles win everywhere: with
+# ~170-245 registers a thread, two or three 4-warp programs share an SM, and more, smaller programs
+# hide the sweep's memory latency better than larger tiles amortise fn. The threshold 2048 is where
+# the tiled variant reaches one program per SM (128 at T=2048); between 512 and 4096 it is not
+# measured. presplit_fn only applies to bf16 streams with coefficients (choose_config drops it
+# otherwise).
 SPLIT_MAX_T = 2048
 _CUDA_TABLE = (
     (16, 16, 32, 32, 16, 4, 0, False),
-    (128, 16, 64, 128, 32, 4, 0, False),
+    (128, 16, 64, 128, 32, 4, 2, False),
     (SPLIT_MAX_T, 16, 32, 512, 8, 4, 3, False),
 )
 _CUDA_TILED = (16, 64, 4, 3, True)  # tile_t, block_d, warps, pipeline_stages, presplit_fn above SPLIT_MAX_T

@@ -1,6 +1,6 @@
 """H200 benchmark of the fused Mega-mHC kernel (lowering/mega_mhc.py) against plain torch.
 
-    python3 -m tools.bench_mhc --out results/bench_mhc.json [--sweep] [--dry-run] [--tokens 1,64]
+    python3 -m tools.bench_mhc --out results/bench_mhc.json [--sweep] [--trace] [--dry-run] [--tokens 1,64]
 
 V4.1-Flash seam: D=5120, n=4, bf16 streams, the delayed form (post + coefficients + carried pre +
 RMSNorm), 20 Sinkhorn iterations, eps 1e-6 / 1e-20; T in {1, 64, 512, 4096}. In one run:
@@ -12,6 +12,9 @@ RMSNorm), 20 Sinkhorn iterations, eps 1e-6 / 1e-20; T in {1, 64, 512, 4096}. In 
    replayed on new inputs; the persistent sync state all-zero at the end;
 2. `--sweep`: a set of launch configurations per T (correct first, then graph-replay time); the
    fastest correct one is what step 3 times (the data behind `mega_mhc.choose_config`);
+   `--trace`: where that configuration's launch spends its time, from a traced build of the kernel
+   (per program, the GPU's %globaltimer at each phase: claimed, stage A done, arrived, merged,
+   ready, rescaled, ended), replayed in a CUDA graph and summarised per role;
 3. per T, medians: CUDA-graph replay (`triton.testing.do_bench_cudagraph`) of (a) the fused kernel,
    (b) the same chain as plain torch (model.mhc + rms_normalize) under `torch.compile` (default
    mode), (c) eager; plain `do_bench` of the fused kernel (eager launches); the fused kernel in
@@ -203,17 +206,17 @@ def sweep_configs(T: int) -> list[LaunchConfig]:
     if T <= 16:
         return [C(16, 32, 32, 16, num_warps=2), C(16, 32, 32, 16, num_warps=8), C(16, 64, 64, 8), C(16, 32, 64, 8)]
     if T <= 128:
-        return [C(16, 32, 64, 16), C(16, 64, 128, 32, num_warps=8), C(16, 64, 128, 32, pipeline_stages=2),
+        return [C(16, 32, 64, 16), C(16, 64, 128, 32, num_warps=8), C(16, 64, 128, 32),
                 C(16, 32, 128, 16, pipeline_stages=3), C(16, 64, 128, 32, presplit_fn=True),
                 C(16, 64, 128, 32, pipeline_stages=3, presplit_fn=True)]
     if T <= 1024:
-        return [C(16, 32, 512, 8, pipeline_stages=3), C(16, 32, 512, 8, presplit_fn=True),
+        return [C(16, 32, 512, 8), C(16, 32, 512, 8, presplit_fn=True),
                 C(16, 32, 512, 8, pipeline_stages=3, presplit_fn=True),
                 C(16, 32, 256, 8, pipeline_stages=3, presplit_fn=True),
                 C(16, 64, 512, 8, pipeline_stages=3, presplit_fn=True),
                 C(16, 64, 1024, 8, pipeline_stages=3, presplit_fn=True),
                 C(32, 32, 512, 8, pipeline_stages=3, presplit_fn=True)]
-    return [C(16, 64, 5120, pipeline_stages=3), C(16, 64, 5120, pipeline_stages=3, presplit_fn=True),
+    return [C(16, 64, 5120), C(16, 64, 5120, pipeline_stages=3),
             C(16, 64, 5120, pipeline_stages=2, presplit_fn=True),
             C(16, 32, 5120, pipeline_stages=3, presplit_fn=True),
             C(32, 32, 5120, pipeline_stages=3, presplit_fn=True),
@@ -259,13 +262,30 @@ def trace_T(T: int, device, cfg: LaunchConfig, log, replays: int = 7) -> dict:
         graph.replay()
         torch.cuda.synchronize()
         rows.append(trace.cpu())
+    out = {"config": dataclasses.asdict(cfg), "plan": mm._plan(V41, cfg, T), "replays": replays,
+           **summarise_traces(rows)}
+    log(f"  T={T} trace: span {out['span_us']:.2f} us, {out['plan']['n_jobs']} programs ({cfg})")
+    for role, r in out["roles"].items():
+        cells = "  ".join(f"{name} {r[name]['median_us']:.2f}/{r[name]['max_us']:.2f}"
+                          + (f" (n={r[name]['n']})" if r[name]["n"] != r["programs"] else "")
+                          for name in mm.TRACE_TIMES if name in r)
+        log(f"    {role:9s} x{r['programs']:<4d} median/max us after first start: {cells}")
+    return out
+
+
+def summarise_traces(rows: list) -> dict:
+    """Per launch (an int64 [programs, len(mm.TRACE_EVENTS)] trace), event times relative to the
+    earliest program start, summarised per role as {programs, event: {n, median_us, max_us}}
+    (n: programs that reached the event); then the median of each number over the launches, with
+    `span_us` (first start to last end)."""
     times = mm.TRACE_TIMES
+    role_col = mm.TRACE_EVENTS.index("role")
     summaries = []
     for t in rows:
         start = t[:, 0][t[:, 0] > 0].min()
         s = {"span_us": float((t[:, times.index("end")].max() - start) / 1e3), "roles": {}}
         for role_id, role in enumerate(mm.TRACE_ROLES):
-            mine = t[t[:, mm.TRACE_EVENTS.index("role")] == role_id]
+            mine = t[t[:, role_col] == role_id]
             if len(mine) == 0:
                 continue
             r = s["roles"][role] = {"programs": len(mine)}
@@ -275,8 +295,7 @@ def trace_T(T: int, device, cfg: LaunchConfig, log, replays: int = 7) -> dict:
                     us = (hit - start).double() / 1e3
                     r[name] = {"n": len(hit), "median_us": float(us.median()), "max_us": float(us.max())}
         summaries.append(s)
-    out = {"config": dataclasses.asdict(cfg), "plan": mm._plan(V41, cfg, T), "replays": replays,
-           "span_us": _median([s["span_us"] for s in summaries]), "roles": {}}
+    out = {"span_us": _median([s["span_us"] for s in summaries]), "roles": {}}
     for role, r0 in summaries[0]["roles"].items():
         role_out = out["roles"][role] = {"programs": r0["programs"]}
         for name in times:
@@ -284,12 +303,6 @@ def trace_T(T: int, device, cfg: LaunchConfig, log, replays: int = 7) -> dict:
             if vals:
                 role_out[name] = {"n": vals[0]["n"], "median_us": _median([v["median_us"] for v in vals]),
                                   "max_us": _median([v["max_us"] for v in vals])}
-    log(f"  T={T} trace: span {out['span_us']:.2f} us, {out['plan']['n_jobs']} programs ({cfg})")
-    for role, r in out["roles"].items():
-        cells = "  ".join(f"{name} {r[name]['median_us']:.2f}/{r[name]['max_us']:.2f}"
-                          + (f" (n={r[name]['n']})" if r[name]["n"] != r["programs"] else "")
-                          for name in times if name in r)
-        log(f"    {role:9s} x{r['programs']:<4d} median/max us after first start: {cells}")
     return out
 
 

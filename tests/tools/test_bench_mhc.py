@@ -1,0 +1,35 @@
+"""tools/bench_mhc.py's trace summary (the GPU fills the traces; here they are built by hand)."""
+
+import torch
+
+from lowering import mega_mhc as mm
+from tools.bench_mhc import summarise_traces
+
+
+def launch(rescale_end_ns: int, base_ns: int) -> torch.Tensor:
+    """Three programs of one launch: two stage-A jobs (the second is the tile's last arrival and
+    merges it) and one rescale job; 0 where a program never reached the event."""
+    ev = {name: i for i, name in enumerate(mm.TRACE_EVENTS)}
+    role = {name: i for i, name in enumerate(mm.TRACE_ROLES)}
+    t = torch.zeros(3, len(mm.TRACE_EVENTS), dtype=torch.int64)
+    rows = [dict(start=1000, claimed=1500, work=3000, arrived=4000, end=5000, job=0, role=role["stage A"]),
+            dict(start=1100, claimed=1600, work=3500, arrived=4500, finished=7000, end=7100, job=1,
+                 role=role["stage A"]),
+            dict(start=1050, claimed=1550, ready=7200, work=8000, end=rescale_end_ns, job=2, role=role["rescale"])]
+    for p, row in enumerate(rows):
+        for name, value in row.items():
+            t[p, ev[name]] = value + (base_ns if name in mm.TRACE_TIMES else 0)
+    return t
+
+
+def test_summary_is_relative_to_the_first_start_per_role_and_median_over_launches():
+    # the GPU's clock differs between launches (base_ns); the rescale job ends 8, 9, 10 us in
+    out = summarise_traces([launch(9000, 0), launch(10000, 10 ** 9), launch(11000, 5 * 10 ** 9)])
+    assert out["span_us"] == 9.0
+    stage_a, rescale = out["roles"]["stage A"], out["roles"]["rescale"]
+    assert set(out["roles"]) == {"stage A", "rescale"}
+    assert stage_a["programs"] == 2 and rescale["programs"] == 1
+    assert stage_a["work"] == {"n": 2, "median_us": 2.0, "max_us": 2.5}  # torch's median: the lower middle
+    assert stage_a["finished"] == {"n": 1, "median_us": 6.0, "max_us": 6.0}  # only the last arrival merges
+    assert "ready" not in stage_a and "finished" not in rescale  # events a role never reaches are absent
+    assert rescale["ready"]["median_us"] == 6.2 and rescale["end"]["max_us"] == 9.0
