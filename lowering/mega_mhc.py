@@ -95,14 +95,14 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json): CUDA-graph replay 9.2 / 15.1 / 37.6 / 175 us at
-T = 1 / 64 / 512 / 4096 against 61 / 100 / 301 / 1769 us for the same chain under torch.compile.
+Measured (H200, results/bench_mhc.json): CUDA-graph replay 7.4 / 12.4 / 35.8 / 173 us at
+T = 1 / 64 / 512 / 4096 against 59 / 99 / 301 / 1767 us for the same chain under torch.compile.
 Where the time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the first start):
-at T=1, job claim 0.5 us, stage A done 2.1, arrived 3.4-3.9 (the release fence waits for the
-partial-sum atomics), coefficients + Sinkhorn done 7.0, rescale done 7.9-8.1, last program ends
-8.7; at T=64 stage A takes 5.6 us (two [16, 64] chunks, ~2.5 us each: instruction latency with
-~1.5 programs per SM); at T=4096 the sweep ends at 144-154 us and the merge + rescale tail at
-166-171 (the parked collapse is re-read from HBM by every tile at once).
+at T=1, job claim 0.5 us, stage A done 2.1, arrived 3.5-4.1 (the release fence waits for the
+partial-sum atomics), tile published 4.8, rescale done 5.7-6.0, coefficients + Sinkhorn done 6.5,
+last program ends 6.9; at T=64 stage A takes 5.4 us (two [16, 64] chunks: instruction latency
+with ~1.5 programs per SM); at T=4096 the sweep ends at 145-152 us and the merge + rescale tail
+at 165-170 (the parked collapse is re-read from HBM by every tile at once).
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
 launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
 """
@@ -288,6 +288,19 @@ def _sigmoid(z):
 
 
 @triton.jit
+def _reciprocal(x, INTERPRETED: tl.constexpr):
+    """1 / x for Sinkhorn's normalisations: on the GPU one MUFU.RCP (rcp.approx.ftz, within an ulp;
+    x >= eps > 0, never subnormal), where `/` also range-checks: Sinkhorn's rounds are one
+    thread's dependent chain per token, so each instruction in it is latency."""
+    if INTERPRETED:
+        r = 1.0 / x
+    else:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $$0, $$1;", "=f,f", [x], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    return r
+
+
+@triton.jit
 def _round(x, INTERPRETED: tl.constexpr):
     """fp32 -> the stream dtype, rounding to nearest even like torch's .to(). The interpreter's own
     fp32 -> bf16 cast truncates, so there the rounding is spelled out in integer operations."""
@@ -393,11 +406,15 @@ $BUFFERED_BODY
 
 
 @triton.jit
-def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, T, tile,
-                 TILE_T: tl.constexpr, CLEAR: tl.constexpr):
+def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, ws_ptr, ready_ptr, trace_ptr,
+                 T, tile, TILE_T: tl.constexpr, CLEAR: tl.constexpr, PUBLISH: tl.constexpr,
+                 TRACE: tl.constexpr, INTERPRETED: tl.constexpr):
     """From the tile's full-row sums (its accumulator row): compute and store the coefficients,
     one [TILE_T] vector per coefficient (the generator unrolls n, n and n*n of them; Sinkhorn's
     row and column sums are then plain additions). CLEAR: zero the row again for the next launch.
+    PUBLISH (epilogue jobs): as soon as what the waiting jobs need is stored (the carried
+    collapse's 1/rms in ws_ptr, or pre' for a fresh collapse), set the tile's ready flag, so that
+    the rescale overlaps Sinkhorn (the merge's longest part) instead of following it.
     Returns 1/rms of the carried collapse [TILE_T]."""
     rows = tile * TILE_T + tl.arange(0, TILE_T)
     row_ok = rows < T
@@ -411,12 +428,20 @@ def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, T,
         s_pre = tl.load(scale_ptr)
         s_post = tl.load(scale_ptr + 1)
         s_comb = tl.load(scale_ptr + 2)
-$COEFF_LINES
-    if CLEAR:
+$GATE_LINES
+    if CLEAR:  # before any release: a fresh collapse's jobs add their sum(c^2) into this row
         tl.debug_barrier()  # every thread's reads of the row come first
         cols = tl.arange(0, SLOT)[None, :]
         tl.store(acc_ptr + rows64[:, None] * SLOT + cols, tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32),
                  mask=row_ok[:, None])
+    if PUBLISH:
+        if not FRESH:
+            tl.store(ws_ptr + tl.arange(0, TILE_T), inv_c)
+        tl.debug_barrier()
+        tl.atomic_xchg(ready_ptr, 1, sem="release")
+        _stamp(trace_ptr, EV_READY, TRACE)
+    if HAS_COEFFS:
+$COMB_LINES
     return inv_c
 
 
@@ -486,7 +511,8 @@ def _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pr
                    CLEAR: tl.constexpr, INTERPRETED: tl.constexpr):
     """Everything after stage A for one whole token tile, by one program."""
     tl.debug_barrier()  # this program's accumulator stores before its reloads
-    inv_c = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, T, tile, TILE_T, CLEAR)
+    inv_c = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, acc_ptr, acc_ptr,
+                         T, tile, TILE_T, CLEAR, False, False, INTERPRETED)
     if FRESH:
         tl.debug_barrier()  # pre' (and this tile's X') before the collapse reads them
         csq = _collapse(x_ptr, xo_ptr, u_ptr, pre_ptr, T, stride_xt, stride_xk, tile, 0, N_CHUNKS,
@@ -610,12 +636,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             ticket = _arrive(sync + ARRIVE_A)
             _stamp(trace_ptr, EV_ARRIVED, TRACE)
             if ticket == N_SPLITS - 1:
-                inv_c = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, T, tile,
-                                     TILE_T, True)
-                if not FRESH:
-                    tl.store(inv_ws + tile * TILE_T + tl.arange(0, TILE_T), inv_c)
-                tl.debug_barrier()
-                tl.atomic_xchg(sync + READY_A, 1, sem="release")
+                _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, inv_ws + tile * TILE_T,
+                             sync + READY_A, trace_ptr, T, tile, TILE_T, True, True, TRACE, INTERPRETED)
                 _stamp(trace_ptr, EV_FINISHED, TRACE)
         elif job < n_a + n_c:
             # fresh: collapse this slice with pre' (stored by the tile's merge); sum(c^2) by atomics
@@ -791,22 +813,29 @@ def _constants(spec: MhcSpec) -> str:
     return "\n".join(lines)
 
 
-def _coefficient_lines(spec: MhcSpec) -> list[str]:
-    """The unrolled coefficient maths on [TILE_T] vectors (inside `if HAS_COEFFS:` of _finish_tile)."""
-    n = spec.n
-    ks = range(n)
+def _gate_lines(spec: MhcSpec) -> list[str]:
+    """The merge's loads and pre' (inside `if HAS_COEFFS:` of _finish_tile, before the tile is
+    published: a fresh collapse needs pre')."""
     width = spec.width()
     out = ["# every load first: a load placed after a store waits for that store to issue (the",
            "# compiler cannot tell the two do not alias), so loads interleaved with the stores below",
            "# made this merge a chain of L2 round trips (~4.5 us of a 10 us launch on the H200)"]
     out += [f"m_{c} = tl.load(sums + {c}, mask=row_ok, other=0.0, cache_modifier=\".cg\")" for c in range(width)]
     out += [f"b_{c} = tl.load(base_ptr + {c})" for c in range(width)]
-    out.append("# gates: pre' = sigmoid(m * r * scale0 + base) + eps, post' = 2 sigmoid(m * r * scale1 + base)")
-    for k in ks:
-        out.append(f"tl.store(pre_ptr + rows64 * N + {k}, _sigmoid(m_{k} * r * s_pre + b_{k}) + HC_EPS, mask=row_ok)")
-    for k in ks:
-        out.append(f"tl.store(posto_ptr + rows64 * N + {k}, 2.0 * _sigmoid(m_{n + k} * r * s_post + b_{n + k}), "
-                   f"mask=row_ok)")
+    out.append("# pre' = sigmoid(m * r * scale0 + base) + eps")
+    out += [f"tl.store(pre_ptr + rows64 * N + {k}, _sigmoid(m_{k} * r * s_pre + b_{k}) + HC_EPS, mask=row_ok)"
+            for k in range(spec.n)]
+    return out
+
+
+def _comb_lines(spec: MhcSpec) -> list[str]:
+    """post' and comb' (inside the second `if HAS_COEFFS:` of _finish_tile, after the tile is
+    published): Sinkhorn unrolled on [TILE_T] vectors."""
+    n = spec.n
+    ks = range(n)
+    out = ["# post' = 2 sigmoid(m * r * scale1 + base)"]
+    out += [f"tl.store(posto_ptr + rows64 * N + {k}, 2.0 * _sigmoid(m_{n + k} * r * s_post + b_{n + k}), mask=row_ok)"
+            for k in ks]
     out.append("# comb logits c_i_j, then Sinkhorn exactly as the reference truncates it: softmax over j")
     out.append("# (+eps), divide by column sums (+eps), then SINKHORN_ITERS-1 rounds of (rows, columns)")
     for i in ks:
@@ -818,7 +847,7 @@ def _coefficient_lines(spec: MhcSpec) -> list[str]:
         out.append(f"mx = {_max_expr(row)}")
         for j in ks:
             out.append(f"c_{i}_{j} = tl.exp(c_{i}_{j} - mx)")
-        out.append(f"inv = 1.0 / ({' + '.join(row)})")
+        out.append(f"inv = _reciprocal({_tree_sum(row)}, INTERPRETED)")
         for j in ks:
             out.append(f"c_{i}_{j} = c_{i}_{j} * inv + HC_EPS")
     out += _normalise_lines(n, "col", 0)
@@ -831,6 +860,13 @@ def _coefficient_lines(spec: MhcSpec) -> list[str]:
     return out
 
 
+def _tree_sum(names: list[str]) -> str:
+    """a + b + c + d as ((a + b) + (c + d)): log2(n) dependent additions instead of n - 1."""
+    while len(names) > 1:
+        names = [f"({a} + {b})" for a, b in zip(names[::2], names[1::2])] + (names[-1:] if len(names) % 2 else [])
+    return names[0]
+
+
 def _max_expr(names: list[str]) -> str:
     expr = names[0]
     for name in names[1:]:
@@ -841,13 +877,13 @@ def _max_expr(names: list[str]) -> str:
 def _normalise_lines(n: int, axis: str, indent: int) -> list[str]:
     """comb / (sum over the other index + eps): `row` sums over j, `col` over i. One division per
     row (a reciprocal), then n multiplications: the Sinkhorn rounds are one thread's dependent
-    chain per token, so their instruction count is their latency (131 instead of 174 per round
-    on sm_90; x * (1/s) differs from x / s by at most an ulp)."""
+    chain per token, so their instruction count is their latency (x * (1/s) differs from x / s
+    by about an ulp)."""
     pad = " " * indent
     out = []
     for a in range(n):
         cells = [f"c_{a}_{b}" if axis == "row" else f"c_{b}_{a}" for b in range(n)]
-        out.append(f"{pad}inv = 1.0 / ({' + '.join(cells)} + HC_EPS)")
+        out.append(f"{pad}inv = _reciprocal({_tree_sum(cells)} + HC_EPS, INTERPRETED)")
         for cell in cells:
             out.append(f"{pad}{cell} = {cell} * inv")
     return out
@@ -929,7 +965,8 @@ def generate_source(spec: MhcSpec) -> str:
           [f"x_{k} = tl.load(x_ptrs{step(k, 'D')}, mask=ok, other=0.0, cache_modifier=\".cg\")" for k in streams])
     block("FRESH_X_LINES", 12,
           [f"x_{k} = tl.load(x_ptrs{step(k, 'stride_xk')}, mask=ok, other=0.0)" for k in streams])
-    block("COEFF_LINES", 8, _coefficient_lines(spec))
+    block("GATE_LINES", 8, _gate_lines(spec))
+    block("COMB_LINES", 8, _comb_lines(spec))
     lines["TRACE_EVENTS"] = len(TRACE_EVENTS)
     lines["TRACE_CONSTANTS"] = "\n".join(
         [f"EV_{name.upper()} = tl.constexpr({i})" for i, name in enumerate(TRACE_EVENTS)]
@@ -1012,20 +1049,20 @@ class LaunchConfig:
 # CUDA launch table: the fastest correct configuration of tools/bench_mhc.py --sweep on one H200
 # (D=5120, n=4, bf16 streams, delayed seam, CUDA-graph replay; results/bench_mhc.json "sweep").
 # Rows: (max T, tile_t, block_d, split_cols, r_splits, warps, pipeline_stages, presplit_fn).
-#   T=1    160 one-chunk stage-A jobs + 10 rescale jobs    9.3 us (2 / 8 warps 10.1 / 10.6, 64-column
-#                                                                  jobs 9.7)
-#   T=64   4 tiles x 40 slices + 10 rescale jobs a tile,  14.7 us (not pipelined 15.2, presplit fn 17.3)
+#   T=1    160 one-chunk stage-A jobs + 10 rescale jobs    7.4 us (2 / 8 warps 7.9 / 8.4, 64-column
+#                                                                  jobs 7.8)
+#   T=64   4 tiles x 40 slices + 10 rescale jobs a tile,  12.8 us (not pipelined 13.6, presplit fn 15.4)
 #          stage A pipelined 2 deep
-#   T=512  32 tiles x 10 slices + 5 rescale jobs a tile,  37.7 us (presplit fn 38.8, not pipelined
-#          stage A pipelined 3 deep                              63.1 with presplit fn, 32-token tiles 47.1)
+#   T=512  32 tiles x 10 slices + 5 rescale jobs a tile,  35.6 us (presplit fn 36.7, not pipelined
+#          stage A pipelined 3 deep                              53.0, 32-token tiles 44.4)
 # Above SPLIT_MAX_T the tiled variant: one 16-token tile per program (256 programs at T=4096),
-# stage A pipelined 3 deep, fn split once per launch: 173.9 us (not presplit 184.0, pipelined 2
-# deep 215.4, split in two 177.1, 32-token tiles 245.9). 16-token tiles win everywhere: with
-# ~170-245 registers a thread, two or three 4-warp programs share an SM, and more, smaller programs
-# hide the sweep's memory latency better than larger tiles amortise fn. The threshold 2048 is where
-# the tiled variant reaches one program per SM (128 at T=2048); between 512 and 4096 it is not
-# measured. presplit_fn only applies to bf16 streams with coefficients (choose_config drops it
-# otherwise).
+# stage A pipelined 3 deep, fn split once per launch: 172.5 us (not presplit 181.4, neither 204.1,
+# pipelined 2 deep 217.3, split in two 175.1, 32-token tiles 243.5). 16-token tiles win
+# everywhere: with ~170-245 registers a thread, two or three 4-warp programs share an SM, and more,
+# smaller programs hide the sweep's memory latency better than larger tiles amortise fn. The
+# threshold 2048 is where the tiled variant reaches one program per SM (128 at T=2048); between 512
+# and 4096 it is not measured. presplit_fn only applies to bf16 streams with coefficients
+# (choose_config drops it otherwise).
 SPLIT_MAX_T = 2048
 _CUDA_TABLE = (
     (16, 16, 32, 32, 16, 4, 0, False),
