@@ -48,7 +48,8 @@ organised around moving those bytes once:
   atomics when D is split). The program that completes the tile reads them as [TILE_T] vectors and
   runs r = rsqrt(mean(X'^2) + eps), the sigmoid gates, softmax and exactly the reference's Sinkhorn
   truncation fully unrolled (n*n vectors; row and column sums are plain additions), and stores
-  pre', post', comb'.
+  pre', post', comb'. It loads the whole row before its first store, and, when other jobs wait
+  for the tile, publishes it (1/rms, pre') before Sinkhorn, which then overlaps their work.
 * The norm's statistic needs the whole row too, so a second, short sweep rescales the parked
   collapse in place: u = c * rsqrt(mean(c^2) + eps) * w (reads and writes 2D bytes per token:
   from L2 at small T; at T=4096 the parked 42 MB have left L2, and the rescale is the last ~14%
@@ -80,7 +81,9 @@ Numerics: every statistic is fp32 over the rounded values, as in the reference. 
 bf16 streams X' is exactly bf16, so fn is split into two bf16 pieces (hi + lo: 16 of fp32's 24
 mantissa bits) and two bf16 tensor-core dots accumulate in fp32; measured against the fp32 GEMM
 the coefficients differ by ~1e-7..2e-6 (relative L2, H200), the size of fp32 summation noise. With
-fp32 streams the dot runs 3xTF32 (`input_precision="tf32x3"`). Divisions are Triton's fp32 `/`.
+fp32 streams the dot runs 3xTF32 (`input_precision="tf32x3"`). Sinkhorn multiplies by a
+reciprocal (`rcp.approx` on the GPU: within an ulp of the division); other divisions are Triton's
+fp32 `/`.
 With D split in more than two slices the fp32 atomics meet in a run-dependent order, so the
 coefficients and u may differ in the last bits between runs (the tiled variant is deterministic).
 The interpreter upcasts bf16 dot operands (numpy has no bf16 matmul) and rounds fp32 -> bf16 to
@@ -257,7 +260,7 @@ JOB_COUNTER = tl.constexpr(0)         # next job number (epilogue-job mode)
 DONE_COUNTER = tl.constexpr(1)        # finished jobs (epilogue-job mode)
 TILE_SYNC = tl.constexpr(2)           # then 4 per token tile:
 ARRIVE_A = tl.constexpr(0)            #   stage-A jobs arrived
-READY_A = tl.constexpr(1)             #   tile merged: coefficients stored, (carried) 1/rms published
+READY_A = tl.constexpr(1)             #   tile published: (carried) 1/rms or (fresh) pre' stored
 ARRIVE_C = tl.constexpr(2)            #   fresh-collapse jobs arrived
 READY_C = tl.constexpr(3)             #   (fresh) 1/rms published
 
@@ -500,8 +503,8 @@ def _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin, b_end, TILE_T: tl.constexpr,
         collapsed, w = next_c, next_w
         next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b + 1, b_end, R_BLOCK)
         d = b * R_BLOCK + tl.arange(0, R_BLOCK)
-        tl.store(u_ptr + rows64[:, None] * D + d[None, :], _round(collapsed.to(tl.float32) * inv_c[:, None] * w[None, :], INTERPRETED),
-                 mask=row_ok[:, None] & (d < D)[None, :])
+        u = _round(collapsed.to(tl.float32) * inv_c[:, None] * w[None, :], INTERPRETED)
+        tl.store(u_ptr + rows64[:, None] * D + d[None, :], u, mask=row_ok[:, None] & (d < D)[None, :])
 
 
 @triton.jit
@@ -956,8 +959,8 @@ def generate_source(spec: MhcSpec) -> str:
     block("POST_LINES", 12, post)
     block("F32_LINES", 8, [f"xf_{k} = x_{k}.to(tl.float32)" for k in streams])
     block("PROJECT_LINES", 12,
-          [f"acc = _project(acc, _opaque(x_{k}, INTERPRETED), {', '.join(pieces[k])}, {'PRESPLIT, ' if bf16 else ''}INTERPRETED)"
-           for k in streams])
+          [f"acc = _project(acc, _opaque(x_{k}, INTERPRETED), {', '.join(pieces[k])}, "
+           f"{'PRESPLIT, ' if bf16 else ''}INTERPRETED)" for k in streams])
     block("FRESH_PRE_LINES", 4,
           [f"pre_{k} = tl.load(pre_ptr + rows64 * N + {k}, mask=row_ok, other=0.0, cache_modifier=\".cg\")"
            for k in streams])
@@ -1356,7 +1359,8 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
         R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], PIPELINE_STAGES=cfg.pipeline_stages,
         PRESPLIT=cfg.presplit_fn, INTERPRETED=interpret,
-        MAX_SPINS=1 << 10 if interpret else 1 << 22, TRACE=trace is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        MAX_SPINS=1 << 10 if interpret else 1 << 22, TRACE=trace is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return tuple(out)
 
 

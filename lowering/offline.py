@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import subprocess
 import tempfile
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,11 @@ class Build:
     stack_bytes: int | None  # per thread, stack + local memory; > 0 means spills (or a non-inlined call)
     ptx: str
     cubin: bytes
+
+    def loops(self) -> list[Loop]:
+        """The cubin's loops, largest first (`sass_loops`); empty without cuobjdump."""
+        sass = _cuobjdump(self.cubin, "-sass")
+        return sass_loops(sass) if sass else []
 
     def programs_per_sm(self, sm: dict = HOPPER_SM) -> int | None:
         """How many programs of this kernel one SM holds at once: the tightest of its registers,
@@ -142,18 +148,50 @@ def _signature(kernel, args: tuple, kwargs: dict, backend) -> tuple[dict, dict, 
     return signature, constexprs, attrs, options
 
 
-def _resources(cubin: bytes) -> tuple[int | None, int | None]:
-    """(registers, stack + local bytes) per thread, from cuobjdump's resource usage of the cubin."""
+def _cuobjdump(cubin: bytes, flag: str) -> str | None:
+    """cuobjdump's output for the cubin (None without the tool)."""
     tool = triton.knobs.nvidia.cuobjdump
     if tool is None:
-        return None, None
+        return None
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
-        text = subprocess.run([tool.path, "--dump-resource-usage", str(path)], capture_output=True,
-                              text=True, check=True).stdout
-    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+        return subprocess.run([tool.path, flag, str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def _resources(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers, stack + local bytes) per thread, from cuobjdump's resource usage of the cubin."""
+    text = _cuobjdump(cubin, "--dump-resource-usage")
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text or "")
     return (int(usage.group(1)), int(usage.group(2)) + int(usage.group(3))) if usage else (None, None)
+
+
+@dataclass
+class Loop:
+    """One loop of a kernel's SASS: the instructions from a backward branch's target to the branch."""
+    start: int  # byte address of the first instruction
+    end: int  # byte address of the backward branch
+    instructions: int
+    opcodes: Counter  # base opcode (HMMA, LDG, FFMA, ...) -> count in the body
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def sass_loops(sass: str) -> list[Loop]:
+    """Every loop of a SASS listing (cuobjdump -sass), largest body first. A loop's instructions
+    run once per iteration, so their count is the cost of one trip (for Mega-mHC's stage A, one
+    chunk), which is what a change to the generated code moves."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in _SASS_LINE.finditer(sass)]
+    index = {addr: i for i, (addr, _) in enumerate(code)}
+    loops = []
+    for i, (addr, text) in enumerate(code):
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < addr and int(branch.group(1), 16) in index:
+            body = code[index[int(branch.group(1), 16)]:i + 1]
+            ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in body)
+            loops.append(Loop(body[0][0], addr, len(body), ops))
+    return sorted(loops, key=lambda loop: -loop.instructions)
 
 
 def build_launch(module, launch, *args, target: GPUTarget = HOPPER, **kwargs) -> list[Build]:

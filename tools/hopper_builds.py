@@ -6,12 +6,15 @@ For each kernel the proxy model launches (the Mega-mHC seam forms it has, plus V
 and the Mega-Gate at bf16 and fp32 inputs) and each token count, the launcher's CUDA launch
 configuration is compiled ahead of time (`lowering.offline.build_launch`: PTX and cubin with the
 ptxas in Triton's wheel) and the table gives registers per thread, stack / local bytes (spills),
-shared memory, warps, stages and the programs one SM holds at once (`Build.programs_per_sm`): what
-decides occupancy, known before any GPU time is spent. The
-same builds on the H200 (results/tools/inspect_proxy.json, T = 64) reported identical numbers for
-the delayed seam (242 registers, 10240 B) and the gate (217, 40960 B); the first seam and the final
-collapse differed by under 7% (203 vs 199, 154 vs 164 registers: Triton 3.6 there, this machine's
-Triton here). A build, not a measurement: no timings.
+shared memory, warps, stages, the programs one SM holds at once (`Build.programs_per_sm`): what
+decides occupancy, known before any GPU time is spent; and the instructions of the kernel's
+largest loop (`Build.loops`: for a Mega-mHC seam, one stage-A chunk). The
+H200's own builds (results/tools/inspect_proxy.json, T = 64, the launch configuration of that run:
+stage A not pipelined) reported the numbers this builds for that configuration for the delayed
+seam (242 registers, 10240 B) and the gate (217, 40960 B); the first seam and the final collapse
+differed by under 7% (203 vs 199, 154 vs 164 registers: Triton 3.6 there, this machine's Triton
+here). A launch that first runs a helper kernel (Mega-mHC's `presplit_fn`) is listed by its seam
+kernel. A build, not a measurement: no timings.
 """
 
 from __future__ import annotations
@@ -97,16 +100,20 @@ def main(argv=None) -> int:
         for op, form, build in jobs:
             for T in tokens:
                 b = build(T)
+                loops = b.loops()
                 rows.append({"op": op, "form": form, "tokens": T, "grid": b.grid[0], "registers": b.registers,
                              "stack_bytes": b.stack_bytes, "shared_bytes": b.shared_bytes,
                              "num_warps": b.num_warps, "num_stages": b.num_stages,
-                             "programs_per_sm": b.programs_per_sm(), "target": b.target})
+                             "programs_per_sm": b.programs_per_sm(),
+                             "largest_loop_instructions": loops[0].instructions if loops else None, "target": b.target})
     table = Table(title=f"fused kernels built for {rows[0]['target']} (no GPU), CUDA launch configurations")
-    for col in ("op", "form", "T", "programs", "regs", "stack/local B", "smem B", "warps", "stages", "per SM"):
+    for col in ("op", "form", "T", "programs", "regs", "stack/local B", "smem B", "warps", "stages", "per SM",
+                "loop instr"):
         table.add_column(col, justify="left" if col in ("op", "form") else "right")
     for r in rows:
         table.add_row(r["op"], r["form"], str(r["tokens"]), str(r["grid"]), str(r["registers"]), str(r["stack_bytes"]),
-                      str(r["shared_bytes"]), str(r["num_warps"]), str(r["num_stages"]), str(r["programs_per_sm"]))
+                      str(r["shared_bytes"]), str(r["num_warps"]), str(r["num_stages"]), str(r["programs_per_sm"]),
+                      str(r["largest_loop_instructions"]))
     console.print(table)
     if args.json:
         write_json({"schema": "megafuse.hopper_builds/1", "rows": rows, "environment": environment()}, args.json)

@@ -100,6 +100,30 @@ def test_presplit_fn_launches_the_split_kernel_first_and_drops_the_split_from_st
     converts = lambda b: len(re.findall(r"cvt\.rn\.bf16(x2)?\.f32", b.ptx))
     assert converts(split) > 0 and converts(seam) < converts(inline) // 2
     assert seam.registers < inline.registers
+    # one stage-A chunk (the largest loop: the one with the tensor-core dots) costs 20% fewer
+    # instructions (sm_90: ~650 instead of ~910)
+    chunk, inline_chunk = seam.loops()[0], inline.loops()[0]
+    assert chunk.opcodes["HMMA"] > 0 and inline_chunk.opcodes["HMMA"] > 0
+    assert chunk.instructions < 0.8 * inline_chunk.instructions
+
+
+def test_sass_loops_are_the_bodies_of_backward_branches_largest_first():
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0020*/                   FFMA R3, R2, R2, R3 ;
+        /*0030*/                   HMMA.16816.F32.BF16 R8, R12, R16, R8 ;
+        /*0040*/               @P0 BRA 0x20 ;
+        /*0050*/               @!P1 BRA 0x70 ;
+        /*0060*/                   FADD R3, R3, 1 ;
+        /*0070*/                   FMUL R3, R3, R3 ;
+        /*0080*/               @P2 BRA 0x10 ;
+        /*0090*/                   EXIT ;
+    """
+    outer, inner = offline.sass_loops(sass)
+    assert (outer.start, outer.end, outer.instructions) == (0x10, 0x80, 8)  # the forward BRA is no loop
+    assert (inner.start, inner.end, inner.instructions) == (0x20, 0x40, 3)
+    assert inner.opcodes == {"FFMA": 1, "HMMA": 1, "BRA": 1} and outer.opcodes["BRA"] == 3
 
 
 def test_programs_per_sm_is_the_tightest_hopper_limit():
@@ -123,8 +147,10 @@ def test_hopper_builds_tool_writes_one_row_per_kernel_and_token_count(tmp_path, 
     kernels = len(hopper_builds.MHC_FORMS) + len(hopper_builds.GATE_INPUTS)
     assert len(result["rows"]) == kernels and {r["tokens"] for r in result["rows"]} == {64}
     delayed = next(r for r in result["rows"] if r["form"] == "delayed")
+    build = hopper_builds.build_mhc("delayed", 64)
     assert delayed == {**delayed, "op": "mega_mhc", "target": "cuda sm_90", "stack_bytes": 0,
-                       "programs_per_sm": hopper_builds.build_mhc("delayed", 64).programs_per_sm()}
+                       "programs_per_sm": build.programs_per_sm(),
+                       "largest_loop_instructions": build.loops()[0].instructions}
     with pytest.raises(SystemExit):
         hopper_builds.main(["--tokens", "0"])
     assert "--tokens must be >= 1" in capsys.readouterr().err
