@@ -725,11 +725,12 @@ $PROJECT_LINES
 # kernel that splits fn once per launch.
 _PROJECT_BF16 = '''\
 @triton.jit
-def _split(w):
+def _split(w, INTERPRETED: tl.constexpr):
     """fp32 -> two bf16 pieces, hi + lo = w to 16 of fp32's 24 mantissa bits (per-element
-    relative error <= 2^-17; the residual w - hi is exact in fp32 before it is rounded)."""
-    hi = w.to(tl.bfloat16)
-    lo = (w - hi.to(tl.float32)).to(tl.bfloat16)
+    relative error <= 2^-16; the residual w - hi is exact in fp32 before it is rounded). Both are
+    rounded to nearest even in both modes (_round), so the interpreter's pieces are the GPU's."""
+    hi = _round(w, INTERPRETED)
+    lo = _round(w - hi.to(tl.float32), INTERPRETED)
     return hi, lo
 
 
@@ -745,7 +746,7 @@ def _project(acc, xs, fa, fb, PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr)
     if PRESPLIT:
         hi, lo = fa, fb
     else:
-        hi, lo = _split(fa)
+        hi, lo = _split(fa, INTERPRETED)
     if INTERPRETED:  # numpy cannot multiply bf16; bf16 values are exact in fp32
         xs32 = xs.to(tl.float32)
         acc = tl.dot(xs32, hi.to(tl.float32), acc)
@@ -757,7 +758,7 @@ def _project(acc, xs, fa, fb, PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr)
 
 
 @triton.jit
-def mega_mhc_split_fn(fn_ptr, fns_ptr, BLOCK: tl.constexpr):
+def mega_mhc_split_fn(fn_ptr, fns_ptr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """fn [WIDTH, ND] fp32 -> fns [2, SLOT, ND] bf16: hi pieces, then lo pieces (_split); rows past
     WIDTH are neither written nor read. Grid (cdiv(ND, BLOCK), WIDTH). Launched before a PRESPLIT
     seam launch, so that its token tiles load fn's pieces instead of each splitting fn again (at
@@ -766,7 +767,7 @@ def mega_mhc_split_fn(fn_ptr, fns_ptr, BLOCK: tl.constexpr):
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < ND
     w = tl.load(fn_ptr + row * ND + cols, mask=ok, other=0.0)
-    hi, lo = _split(w)
+    hi, lo = _split(w, INTERPRETED)
     tl.store(fns_ptr + row * ND + cols, hi, mask=ok)
     tl.store(fns_ptr + (SLOT + row) * ND + cols, lo, mask=ok)
 '''
@@ -1342,7 +1343,8 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     if cfg.presplit_fn:
         fn_pieces = torch.empty((2, _slot_width(n), n * D), dtype=torch.bfloat16, device=device)
         split = load(spec, interpret=interpret, name=SPLIT_FN_KERNEL)
-        split[(-(-n * D // SPLIT_FN_BLOCK), spec.width())](fn, fn_pieces, BLOCK=SPLIT_FN_BLOCK, num_warps=4)
+        split[(-(-n * D // SPLIT_FN_BLOCK), spec.width())](fn, fn_pieces, BLOCK=SPLIT_FN_BLOCK,
+                                                           INTERPRETED=interpret, num_warps=4)
     kernel = load(spec, interpret=interpret)
     kernel[(plan["n_jobs"],)](
         streams, y if y is not None else dummy, post if post is not None else dummy,

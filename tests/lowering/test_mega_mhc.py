@@ -264,10 +264,12 @@ def test_split_fn_kernel_writes_pieces_that_sum_to_fn():
     spec = make_spec("delayed", "bfloat16")
     fn = make_inputs(spec, 1, seed=3)[5]
     pieces = torch.full((2, 32, spec.n * D), float("nan"), dtype=torch.bfloat16)
-    mm.load(spec, interpret=True, name=mm.SPLIT_FN_KERNEL)[(-(-spec.n * D // 64), spec.width())](fn, pieces, BLOCK=64)
+    split = mm.load(spec, interpret=True, name=mm.SPLIT_FN_KERNEL)
+    split[(-(-spec.n * D // 64), spec.width())](fn, pieces, BLOCK=64, INTERPRETED=True)
     hi, lo = pieces[0, :spec.width()].float(), pieces[1, :spec.width()].float()
-    assert torch.isfinite(hi).all() and torch.isfinite(lo).all()
-    assert ((hi + lo - fn).abs() <= fn.abs() * 2.0 ** -15).all()  # 16 of fp32's 24 mantissa bits
+    assert torch.equal(hi, fn.bfloat16().float())  # rounded to nearest even, as the GPU's cvt.rn
+    assert torch.equal(lo, (fn - hi).bfloat16().float())  # the exact residual, rounded
+    assert ((hi + lo - fn).abs() <= fn.abs() * 2.0 ** -16).all()  # 16 of fp32's 24 mantissa bits
     assert ((hi - fn).abs() > fn.abs() * 2.0 ** -12).any()  # lo carries real bits: hi alone is bf16
 
 
