@@ -187,8 +187,9 @@ def sass_loops(sass: str) -> list[Loop]:
     loops = []
     for i, (addr, text) in enumerate(code):
         branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < addr and int(branch.group(1), 16) in index:
-            body = code[index[int(branch.group(1), 16)]:i + 1]
+        target = int(branch.group(1), 16) if branch else None
+        if target is not None and target < addr and target in index:
+            body = code[index[target]:i + 1]
             ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in body)
             loops.append(Loop(body[0][0], addr, len(body), ops))
     return sorted(loops, key=lambda loop: -loop.instructions)

@@ -39,6 +39,7 @@ import torch
 import triton
 
 from tools.bench_common import Stages, time_cold_l2_us, time_eager_us, time_graph_us
+from tools.common import median
 from lowering import mega_mhc as mm
 from lowering.mega_mhc import LaunchConfig, MhcSpec
 from model.mhc import sinkhorn
@@ -295,20 +296,15 @@ def summarise_traces(rows: list) -> dict:
                     us = (hit - start).double() / 1e3
                     r[name] = {"n": len(hit), "median_us": float(us.median()), "max_us": float(us.max())}
         summaries.append(s)
-    out = {"span_us": _median([s["span_us"] for s in summaries]), "roles": {}}
+    out = {"span_us": median([s["span_us"] for s in summaries]), "roles": {}}
     for role, r0 in summaries[0]["roles"].items():
         role_out = out["roles"][role] = {"programs": r0["programs"]}
         for name in times:
             vals = [s["roles"][role][name] for s in summaries if name in s["roles"].get(role, {})]
             if vals:
-                role_out[name] = {"n": vals[0]["n"], "median_us": _median([v["median_us"] for v in vals]),
-                                  "max_us": _median([v["max_us"] for v in vals])}
+                role_out[name] = {"n": vals[0]["n"], "median_us": median([v["median_us"] for v in vals]),
+                                  "max_us": median([v["max_us"] for v in vals])}
     return out
-
-
-def _median(values: list) -> float:
-    values = sorted(values)
-    return float(values[len(values) // 2])
 
 
 def seam_bytes(T: int, spec: MhcSpec = V41) -> int:
