@@ -409,16 +409,18 @@ $BUFFERED_BODY
 
 
 @triton.jit
-def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, ws_ptr, ready_ptr, trace_ptr,
-                 T, tile, TILE_T: tl.constexpr, CLEAR: tl.constexpr, PUBLISH: tl.constexpr,
+def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, ws_ptr, ready_ptr, done_ptr,
+                 trace_ptr, T, tile, TILE_T: tl.constexpr, CLEAR: tl.constexpr, PUBLISH: tl.constexpr,
                  TRACE: tl.constexpr, INTERPRETED: tl.constexpr):
     """From the tile's full-row sums (its accumulator row): compute and store the coefficients,
     one [TILE_T] vector per coefficient (the generator unrolls n, n and n*n of them; Sinkhorn's
     row and column sums are then plain additions). CLEAR: zero the row again for the next launch.
     PUBLISH (epilogue jobs): as soon as what the waiting jobs need is stored (the carried
     collapse's 1/rms in ws_ptr, or pre' for a fresh collapse), set the tile's ready flag, so that
-    the rescale overlaps Sinkhorn (the merge's longest part) instead of following it.
-    Returns 1/rms of the carried collapse [TILE_T]."""
+    the rescale overlaps Sinkhorn (the merge's longest part) instead of following it, and take
+    this job's end-of-launch ticket from done_ptr right then: the program touches no shared state
+    after the release, and the atomic's round trip overlaps Sinkhorn instead of ending the launch.
+    Returns 1/rms of the carried collapse [TILE_T] and the ticket (-1 without PUBLISH)."""
     rows = tile * TILE_T + tl.arange(0, TILE_T)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
@@ -443,9 +445,12 @@ $GATE_LINES
         tl.debug_barrier()
         tl.atomic_xchg(ready_ptr, 1, sem="release")
         _stamp(trace_ptr, EV_READY, TRACE)
+        done = tl.atomic_add(done_ptr, 1, sem="relaxed")
+    else:
+        done = -1
     if HAS_COEFFS:
 $COMB_LINES
-    return inv_c
+    return inv_c, done
 
 
 @triton.jit
@@ -477,11 +482,12 @@ $F32_LINES
 
 
 @triton.jit
-def _parked_block(u_ptr, w_ptr, rows64, row_ok, b, b_end, R_BLOCK: tl.constexpr):
+def _parked_block(u_ptr, w_ptr, rows64, row_ok, b, b_begin, b_end, R_BLOCK: tl.constexpr):
     """Column block b of the parked collapse (stream dtype: half the registers of fp32 in flight)
-    and of the norm weight; all masked past b_end."""
+    and of the norm weight; all masked outside [b_begin, b_end)."""
     d = b * R_BLOCK + tl.arange(0, R_BLOCK)
-    d_ok = (d < D) & ((d * 0 + b) < b_end)
+    live = d * 0 + b  # [R_BLOCK], all equal (a tensor in both Triton modes)
+    d_ok = (d < D) & (live >= b_begin) & (live < b_end)
     collapsed = tl.load(u_ptr + rows64[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
                         other=0.0, cache_modifier=".cg")
     return collapsed, tl.load(w_ptr + d, mask=d_ok, other=0.0)
@@ -491,18 +497,19 @@ def _parked_block(u_ptr, w_ptr, rows64, row_ok, b, b_end, R_BLOCK: tl.constexpr)
 def _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin, b_end, TILE_T: tl.constexpr,
              R_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """u = (c * 1/rms) * norm_weight, in place on the parked collapse, over column blocks
-    [b_begin, b_end) of R_BLOCK (wider than the sweep's chunks: this loop only streams). The next
-    block is loaded before this one is stored: a load placed after a store waits for it, so
-    without the prefetch the blocks' round trips follow one another. (At T=4096 it did not shorten
-    the tiled variant's tail on the H200: there every tile rescales at once and the tail is
-    bound by HBM bandwidth, not by this chain.)"""
+    [b_begin, b_end) of R_BLOCK (wider than the sweep's chunks: this loop only streams), last
+    block first: the sweep parked the blocks in column order, so the last ones are the most
+    recently written, the likeliest still in L2; read newest-first, the older ones are only
+    evicted after their turn. The next block is loaded before this one is stored: a load placed
+    after a store waits for it, so without the prefetch the blocks' round trips follow one another."""
     rows = tile * TILE_T + tl.arange(0, TILE_T)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
-    next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b_begin, b_end, R_BLOCK)
-    for b in range(b_begin, b_end):
+    next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b_end - 1, b_begin, b_end, R_BLOCK)
+    for i in range(0, b_end - b_begin):
+        b = b_end - 1 - i
         collapsed, w = next_c, next_w
-        next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b + 1, b_end, R_BLOCK)
+        next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b - 1, b_begin, b_end, R_BLOCK)
         d = b * R_BLOCK + tl.arange(0, R_BLOCK)
         u = _round(collapsed.to(tl.float32) * inv_c[:, None] * w[None, :], INTERPRETED)
         tl.store(u_ptr + rows64[:, None] * D + d[None, :], u, mask=row_ok[:, None] & (d < D)[None, :])
@@ -515,8 +522,8 @@ def _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pr
                    CLEAR: tl.constexpr, INTERPRETED: tl.constexpr):
     """Everything after stage A for one whole token tile, by one program."""
     tl.debug_barrier()  # this program's accumulator stores before its reloads
-    inv_c = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, acc_ptr, acc_ptr,
-                         T, tile, TILE_T, CLEAR, False, False, INTERPRETED)
+    inv_c, _ = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, acc_ptr, acc_ptr,
+                            acc_ptr, T, tile, TILE_T, CLEAR, False, False, INTERPRETED)
     if FRESH:
         tl.debug_barrier()  # pre' (and this tile's X') before the collapse reads them
         csq = _collapse(x_ptr, xo_ptr, u_ptr, pre_ptr, T, stride_xt, stride_xk, tile, 0, N_CHUNKS,
@@ -565,10 +572,48 @@ def _note_job(trace_ptr, job, role, TRACE: tl.constexpr):
         tl.store(row + EV_ROLE, role)
 
 
-@triton.jit(do_not_specialize=["T", "n_tiles"])  # one binary for every T
+@triton.jit
+def _epilogue_job(job, n_tiles, lag, N_SPLITS: tl.constexpr, R_SPLITS: tl.constexpr):
+    """(role, token tile, part) of epilogue-mode job `job`; part is the D slice of a stage-A or
+    collapse job, the block group of a rescale job.
+
+    Fresh pre: every stage-A job, then every collapse job, then every rescale job. Carried pre:
+    tile t's rescale jobs come right after the stage-A jobs of tile t + lag (lag <= n_tiles; lag ==
+    n_tiles: after every stage-A job), so that with more jobs than the GPU holds at once, a tile's
+    rescale runs while later tiles sweep, reading a collapse parked moments before (still in L2),
+    instead of every tile's rescale at the launch's end:
+        A(0) .. A(lag-1) | A(lag) R(0) | A(lag+1) R(1) | ... | A(n-1) R(n-1-lag) | R(n-lag) .. R(n-1)
+    Either way every job a job waits for has a smaller number (see "forward progress")."""
+    n_a = n_tiles * N_SPLITS
+    if FRESH:
+        role = tl.where(job < n_a, ROLE_STAGE_A, tl.where(job < 2 * n_a, ROLE_COLLAPSE, ROLE_RESCALE))
+        q = tl.where(job < n_a, job, tl.where(job < 2 * n_a, job - n_a, job - 2 * n_a))
+        div = tl.where(role == ROLE_RESCALE, R_SPLITS, N_SPLITS)
+        tile, part = q // div, q % div
+    else:
+        per_tile = N_SPLITS + R_SPLITS
+        head = lag * N_SPLITS  # the stage-A jobs of the first lag tiles
+        q = job - head
+        middle = (n_tiles - lag) * per_tile  # blocks of (A(lag + g), R(g))
+        g, r = q // per_tile, q % per_tile
+        s = q - middle  # the rescale jobs of the last lag tiles
+        in_head = job < head
+        in_middle = (q >= 0) & (q < middle)
+        is_a = in_head | (in_middle & (r < N_SPLITS))
+        role = tl.where(is_a, ROLE_STAGE_A, ROLE_RESCALE)
+        tile = tl.where(in_head, job // N_SPLITS,
+                        tl.where(in_middle, tl.where(r < N_SPLITS, lag + g, g), n_tiles - lag + s // R_SPLITS))
+        part = tl.where(in_head, job % N_SPLITS,
+                        tl.where(in_middle, tl.where(r < N_SPLITS, r, r - N_SPLITS), s % R_SPLITS))
+    # past the last job (only with a corrupted sync state): no role
+    role = tl.where(job < n_a * (2 if FRESH else 1) + n_tiles * R_SPLITS, role, -1)
+    return role, tile, part
+
+
+@triton.jit(do_not_specialize=["T", "n_tiles", "lag"])  # one binary for every T
 def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, base_ptr, scale_ptr, w_ptr,
                     xo_ptr, u_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, ws_ptr, sync_ptr, trace_ptr,
-                    T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre, n_tiles,
+                    T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre, n_tiles, lag,
                     TILE_T: tl.constexpr, BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr,
                     SPLIT_CHUNKS: tl.constexpr, N_SPLITS: tl.constexpr, R_BLOCK: tl.constexpr,
                     R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
@@ -627,11 +672,12 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         n_c = n_a if FRESH else 0
         n_jobs = n_a + n_c + n_tiles * R_SPLITS
         inv_ws = ws_ptr
-        if job < n_a:
+        role, tile, part = _epilogue_job(job, n_tiles, lag, N_SPLITS, R_SPLITS)
+        done = -1  # this job's end-of-launch ticket, once taken
+        if role == ROLE_STAGE_A:
             _note_job(trace_ptr, job, ROLE_STAGE_A, TRACE)
-            tile = job // N_SPLITS
             sync = sync_ptr + TILE_SYNC + tile * 4
-            c_begin = (job % N_SPLITS) * SPLIT_CHUNKS
+            c_begin = part * SPLIT_CHUNKS
             _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                      T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
                      tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D,
@@ -640,18 +686,17 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             ticket = _arrive(sync + ARRIVE_A)
             _stamp(trace_ptr, EV_ARRIVED, TRACE)
             if ticket == N_SPLITS - 1:
-                _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, inv_ws + tile * TILE_T,
-                             sync + READY_A, trace_ptr, T, tile, TILE_T, True, True, TRACE, INTERPRETED)
+                inv_c, done = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr,
+                                           inv_ws + tile * TILE_T, sync + READY_A, sync_ptr + DONE_COUNTER,
+                                           trace_ptr, T, tile, TILE_T, True, True, TRACE, INTERPRETED)
                 _stamp(trace_ptr, EV_FINISHED, TRACE)
-        elif job < n_a + n_c:
+        elif role == ROLE_COLLAPSE:
             # fresh: collapse this slice with pre' (stored by the tile's merge); sum(c^2) by atomics
             _note_job(trace_ptr, job, ROLE_COLLAPSE, TRACE)
-            tile = (job - n_a) // N_SPLITS
-            split = (job - n_a) % N_SPLITS
             sync = sync_ptr + TILE_SYNC + tile * 4
             failed = _wait(sync + READY_A, MAX_SPINS)
             _stamp(trace_ptr, EV_READY, TRACE)
-            c_begin = split * SPLIT_CHUNKS
+            c_begin = part * SPLIT_CHUNKS
             csq = _collapse(x_ptr, xo_ptr, u_ptr, pre_ptr, T, stride_xt, stride_xk, tile, c_begin,
                             tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D, INTERPRETED)
             csq = tl.where(failed, float("nan"), csq)
@@ -668,10 +713,9 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                 tl.store(csq_ptrs, tl.full([TILE_T], 0.0, dtype=tl.float32), mask=rows < T)  # for the next launch
                 tl.atomic_xchg(sync + READY_C, 1, sem="release")
                 _stamp(trace_ptr, EV_FINISHED, TRACE)
-        elif job < n_jobs:  # (never false unless the sync state was corrupted)
+        elif role == ROLE_RESCALE:  # (else no job: only if the sync state was corrupted)
             _note_job(trace_ptr, job, ROLE_RESCALE, TRACE)
-            tile = (job - n_a - n_c) // R_SPLITS
-            b_begin = ((job - n_a - n_c) % R_SPLITS) * R_PER_JOB
+            b_begin = part * R_PER_JOB
             sync = sync_ptr + TILE_SYNC + tile * 4
             if FRESH:
                 failed = _wait(sync + READY_C, MAX_SPINS)
@@ -688,8 +732,11 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         # claimed and every wait of this launch is over. Relaxed: nothing is published through
         # this counter (every thread's waits are over at the barrier, and the next launch is
         # stream-ordered after this one), so it skips the release fence, ~0.3 us at the launch's end.
-        tl.debug_barrier()
-        if tl.atomic_add(sync_ptr + DONE_COUNTER, 1, sem="relaxed") == n_jobs - 1:
+        # A tile's last arrival took its ticket already, as soon as it published the tile.
+        if done < 0:
+            tl.debug_barrier()
+            done = tl.atomic_add(sync_ptr + DONE_COUNTER, 1, sem="relaxed")
+        if done == n_jobs - 1:
             for i in range(0, n_tiles * 4, 1024):
                 offs = i + tl.arange(0, 1024)
                 tl.store(sync_ptr + TILE_SYNC + offs, tl.full([1024], 0, dtype=tl.int32),
@@ -1037,6 +1084,10 @@ class LaunchConfig:
                  once (mega_mhc_split_fn), and stage A loads those instead of splitting its fp32
                  block again in every token tile (the split is ~1/3 of stage A's instructions per
                  chunk on sm_90, repeated T / tile_t times per launch)
+    rescale_lag  epilogue jobs, carried pre: tile t's rescale jobs are numbered right after the
+                 stage-A jobs of tile t + rescale_lag (None: after all stage-A jobs). With more
+                 jobs than the GPU holds at once, a tile is rescaled while later tiles still
+                 sweep, from a collapse parked moments before, instead of every tile at the end
     """
     tile_t: int
     block_d: int
@@ -1046,6 +1097,7 @@ class LaunchConfig:
     num_stages: int = 2
     pipeline_stages: int = 0
     presplit_fn: bool = False
+    rescale_lag: int | None = None
 
     def variant(self, dim: int) -> str:
         return "tiled" if self.split_cols >= dim else "split"
@@ -1276,11 +1328,16 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
     n_rblocks = -(-spec.dim // r_block)
     r_per_job = -(-n_rblocks // max(cfg.r_splits, 1))
     r_splits = -(-n_rblocks // r_per_job) if (n_splits > 1 and cfg.r_splits > 0) else 0
+    if cfg.rescale_lag is not None and (r_splits == 0 or spec.pre == "fresh" or cfg.rescale_lag < 0):
+        raise ValueError(f"mega_mhc: rescale_lag orders epilogue rescale jobs of a carried-pre seam: it "
+                         f"needs r_splits > 0 with D split, the carried pre and a lag >= 0, not the "
+                         f"{spec.form()} form with {cfg}")
     n_jobs = n_tiles * n_splits
     if r_splits:
         n_jobs = n_jobs * (2 if spec.pre == "fresh" else 1) + n_tiles * r_splits
+    lag = n_tiles if cfg.rescale_lag is None else min(cfg.rescale_lag, n_tiles)
     return dict(n_tiles=n_tiles, n_chunks=n_chunks, split_chunks=split_chunks, n_splits=n_splits,
-                r_block=r_block, r_per_job=r_per_job, r_splits=r_splits, n_jobs=n_jobs,
+                r_block=r_block, r_per_job=r_per_job, r_splits=r_splits, n_jobs=n_jobs, lag=lag,
                 variant="tiled" if n_splits == 1 else "split")
 
 
@@ -1357,7 +1414,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         comb_out if comb_out is not None else acc, acc, ws, sync, trace if trace is not None else acc,
         T, x_stride[0], x_stride[1], y.stride(0) if y is not None else 0,
         post.stride(0) if post is not None else 0, comb.stride(0) if comb is not None else 0,
-        carried_pre.stride(0) if carried_pre is not None else 0, n_tiles,
+        carried_pre.stride(0) if carried_pre is not None else 0, n_tiles, plan["lag"],
         TILE_T=cfg.tile_t, BLOCK_D=cfg.block_d, N_CHUNKS=plan["n_chunks"],
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
         R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], PIPELINE_STAGES=cfg.pipeline_stages,

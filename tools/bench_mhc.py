@@ -139,6 +139,10 @@ def correctness_suite(device, dry: bool, log) -> list:
                  ("v4_fresh/epilogue-jobs", dataclasses.replace(delayed, pre="fresh"), 70, None,
                   LaunchConfig(16, 64, 512, r_splits=8)),
                  ("delayed", delayed, 2100, "tiled", None)]
+    # rescale jobs interleaved with later tiles' stage A (rescale_lag), more tiles than the lag
+    runs += [("delayed/rescale-lag", delayed, 37 if dry else 900, None,
+              LaunchConfig(16, 32, 64, r_splits=2, rescale_lag=1) if dry else
+              LaunchConfig(16, 64, 1280, r_splits=4, pipeline_stages=3, presplit_fn=True, rescale_lag=8))]
     # fn split once per launch: the tiled and the epilogue-job split variants, delayed and fresh
     runs += [("delayed/presplit-fn", delayed, 37 if dry else 600, None,
               LaunchConfig(16, 32, 4096 if dry else 5120, pipeline_stages=3, presplit_fn=True)),
@@ -205,24 +209,32 @@ def sweep_configs(T: int) -> list[LaunchConfig]:
     once per launch (`presplit_fn`) where token tiles would split it many times over."""
     C = LaunchConfig
     if T <= 16:
-        return [C(16, 32, 32, 16, num_warps=2), C(16, 32, 32, 16, num_warps=8), C(16, 64, 64, 8), C(16, 32, 64, 8)]
+        return [C(16, 32, 32, 16, num_warps=2), C(16, 64, 64, 8), C(16, 32, 64, 8)]
     if T <= 128:
-        return [C(16, 32, 64, 16), C(16, 64, 128, 32, num_warps=8), C(16, 64, 128, 32),
-                C(16, 32, 128, 16, pipeline_stages=3), C(16, 64, 128, 32, presplit_fn=True),
+        # stage-A jobs per SM: 40 slices x 4 tiles = 160 jobs leave 28 of 132 SMs two jobs (the
+        # critical path); one-chunk jobs (320) run at most three per SM, each a third as long
+        return [C(16, 64, 128, 32), C(16, 64, 64, 32), C(16, 64, 64, 32, pipeline_stages=2),
+                C(16, 32, 32, 16), C(16, 32, 64, 16, pipeline_stages=2), C(16, 64, 192, 32, pipeline_stages=2),
                 C(16, 64, 128, 32, pipeline_stages=3, presplit_fn=True)]
     if T <= 1024:
-        return [C(16, 32, 512, 8), C(16, 32, 512, 8, presplit_fn=True),
-                C(16, 32, 512, 8, pipeline_stages=3, presplit_fn=True),
-                C(16, 32, 256, 8, pipeline_stages=3, presplit_fn=True),
-                C(16, 64, 512, 8, pipeline_stages=3, presplit_fn=True),
-                C(16, 64, 1024, 8, pipeline_stages=3, presplit_fn=True),
-                C(32, 32, 512, 8, pipeline_stages=3, presplit_fn=True)]
-    return [C(16, 64, 5120), C(16, 64, 5120, pipeline_stages=3),
-            C(16, 64, 5120, pipeline_stages=2, presplit_fn=True),
-            C(16, 32, 5120, pipeline_stages=3, presplit_fn=True),
-            C(32, 32, 5120, pipeline_stages=3, presplit_fn=True),
+        # 32 tiles x 10 slices = 320 stage-A jobs over 132 SMs: 56 SMs run three (48 chunks each),
+        # 76 two; 8 slices of 640 columns (256 jobs) put at most 40 chunks on any SM
+        return [C(16, 32, 640, 8, pipeline_stages=3), C(16, 32, 640, 16, pipeline_stages=3),
+                C(16, 64, 640, 8, pipeline_stages=3), C(16, 32, 448, 8, pipeline_stages=3),
+                C(16, 32, 640, 8, pipeline_stages=3, presplit_fn=True),
+                C(32, 32, 320, 8, pipeline_stages=3, presplit_fn=True),
+                C(16, 32, 512, 8, pipeline_stages=3, presplit_fn=True)]
+    # the tiled variant rescales every tile at the end (every parked collapse re-read at once, from
+    # HBM); split jobs whose rescale follows a few tiles later (rescale_lag) overlap it with the sweep
+    return [C(16, 64, 5120, pipeline_stages=3),
             C(16, 64, 2560, 4, pipeline_stages=3, presplit_fn=True),
-            C(64, 32, 2560, 4, num_warps=8, pipeline_stages=3, presplit_fn=True)]
+            C(16, 64, 2560, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=22),
+            C(16, 64, 2560, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=44),
+            C(16, 64, 1280, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=16),
+            C(16, 64, 1280, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=33),
+            C(16, 64, 1280, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=66),
+            C(16, 64, 1280, 2, pipeline_stages=3, presplit_fn=True, rescale_lag=44),
+            C(16, 64, 640, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=33)]
 
 
 def run_sweep(T: int, device, log) -> list:
