@@ -260,7 +260,7 @@ JOB_COUNTER = tl.constexpr(0)         # next job number (epilogue-job mode)
 DONE_COUNTER = tl.constexpr(1)        # finished jobs (epilogue-job mode)
 TILE_SYNC = tl.constexpr(2)           # then 4 per token tile:
 ARRIVE_A = tl.constexpr(0)            #   stage-A jobs arrived
-READY_A = tl.constexpr(1)             #   tile published: (carried) 1/rms or (fresh) pre' stored
+READY_A = tl.constexpr(1)             #   (fresh) tile published: pre' stored
 ARRIVE_C = tl.constexpr(2)            #   fresh-collapse jobs arrived
 READY_C = tl.constexpr(3)             #   (fresh) 1/rms published
 
@@ -409,18 +409,16 @@ $BUFFERED_BODY
 
 
 @triton.jit
-def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, ws_ptr, ready_ptr, done_ptr,
-                 trace_ptr, T, tile, TILE_T: tl.constexpr, CLEAR: tl.constexpr, PUBLISH: tl.constexpr,
-                 TRACE: tl.constexpr, INTERPRETED: tl.constexpr):
+def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, ready_ptr, trace_ptr,
+                 T, tile, TILE_T: tl.constexpr, CLEAR: tl.constexpr, KEEP_CSQ: tl.constexpr,
+                 PUBLISH: tl.constexpr, TRACE: tl.constexpr, INTERPRETED: tl.constexpr):
     """From the tile's full-row sums (its accumulator row): compute and store the coefficients,
     one [TILE_T] vector per coefficient (the generator unrolls n, n and n*n of them; Sinkhorn's
-    row and column sums are then plain additions). CLEAR: zero the row again for the next launch.
-    PUBLISH (epilogue jobs): as soon as what the waiting jobs need is stored (the carried
-    collapse's 1/rms in ws_ptr, or pre' for a fresh collapse), set the tile's ready flag, so that
-    the rescale overlaps Sinkhorn (the merge's longest part) instead of following it, and take
-    this job's end-of-launch ticket from done_ptr right then: the program touches no shared state
-    after the release, and the atomic's round trip overlaps Sinkhorn instead of ending the launch.
-    Returns 1/rms of the carried collapse [TILE_T] and the ticket (-1 without PUBLISH)."""
+    row and column sums are then plain additions). CLEAR: zero the row again for the next launch,
+    except sum(c^2) with KEEP_CSQ (epilogue jobs, carried pre: the rescale jobs read it, and the
+    launch's last job zeroes it). PUBLISH (epilogue jobs, fresh pre): as soon as pre' is stored,
+    set the tile's ready flag, so that the fresh collapse overlaps Sinkhorn (the merge's longest
+    part) instead of following it. Returns 1/rms of the carried collapse [TILE_T]."""
     rows = tile * TILE_T + tl.arange(0, TILE_T)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
@@ -437,20 +435,18 @@ $GATE_LINES
     if CLEAR:  # before any release: a fresh collapse's jobs add their sum(c^2) into this row
         tl.debug_barrier()  # every thread's reads of the row come first
         cols = tl.arange(0, SLOT)[None, :]
+        clear = row_ok[:, None] & (cols < SLOT)
+        if KEEP_CSQ:
+            clear = clear & (cols != CSQ_COL)
         tl.store(acc_ptr + rows64[:, None] * SLOT + cols, tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32),
-                 mask=row_ok[:, None])
+                 mask=clear)
     if PUBLISH:
-        if not FRESH:
-            tl.store(ws_ptr + tl.arange(0, TILE_T), inv_c)
         tl.debug_barrier()
         tl.atomic_xchg(ready_ptr, 1, sem="release")
         _stamp(trace_ptr, EV_READY, TRACE)
-        done = tl.atomic_add(done_ptr, 1, sem="relaxed")
-    else:
-        done = -1
     if HAS_COEFFS:
 $COMB_LINES
-    return inv_c, done
+    return inv_c
 
 
 @triton.jit
@@ -482,12 +478,11 @@ $F32_LINES
 
 
 @triton.jit
-def _parked_block(u_ptr, w_ptr, rows64, row_ok, b, b_begin, b_end, R_BLOCK: tl.constexpr):
+def _parked_block(u_ptr, w_ptr, rows64, row_ok, b, b_end, R_BLOCK: tl.constexpr):
     """Column block b of the parked collapse (stream dtype: half the registers of fp32 in flight)
-    and of the norm weight; all masked outside [b_begin, b_end)."""
+    and of the norm weight; all masked past b_end."""
     d = b * R_BLOCK + tl.arange(0, R_BLOCK)
-    live = d * 0 + b  # [R_BLOCK], all equal (a tensor in both Triton modes)
-    d_ok = (d < D) & (live >= b_begin) & (live < b_end)
+    d_ok = (d < D) & ((d * 0 + b) < b_end)
     collapsed = tl.load(u_ptr + rows64[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
                         other=0.0, cache_modifier=".cg")
     return collapsed, tl.load(w_ptr + d, mask=d_ok, other=0.0)
@@ -497,19 +492,18 @@ def _parked_block(u_ptr, w_ptr, rows64, row_ok, b, b_begin, b_end, R_BLOCK: tl.c
 def _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin, b_end, TILE_T: tl.constexpr,
              R_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """u = (c * 1/rms) * norm_weight, in place on the parked collapse, over column blocks
-    [b_begin, b_end) of R_BLOCK (wider than the sweep's chunks: this loop only streams), last
-    block first: the sweep parked the blocks in column order, so the last ones are the most
-    recently written, the likeliest still in L2; read newest-first, the older ones are only
-    evicted after their turn. The next block is loaded before this one is stored: a load placed
-    after a store waits for it, so without the prefetch the blocks' round trips follow one another."""
+    [b_begin, b_end) of R_BLOCK (wider than the sweep's chunks: this loop only streams). The next
+    block is loaded before this one is stored: a load placed after a store waits for it, so
+    without the prefetch the blocks' round trips follow one another. (At T=4096 it did not shorten
+    the tiled variant's tail on the H200: there every tile rescales at once and the tail is
+    bound by HBM bandwidth, not by this chain; nor did reading the newest-parked blocks first.)"""
     rows = tile * TILE_T + tl.arange(0, TILE_T)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
-    next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b_end - 1, b_begin, b_end, R_BLOCK)
-    for i in range(0, b_end - b_begin):
-        b = b_end - 1 - i
+    next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b_begin, b_end, R_BLOCK)
+    for b in range(b_begin, b_end):
         collapsed, w = next_c, next_w
-        next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b - 1, b_begin, b_end, R_BLOCK)
+        next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b + 1, b_end, R_BLOCK)
         d = b * R_BLOCK + tl.arange(0, R_BLOCK)
         u = _round(collapsed.to(tl.float32) * inv_c[:, None] * w[None, :], INTERPRETED)
         tl.store(u_ptr + rows64[:, None] * D + d[None, :], u, mask=row_ok[:, None] & (d < D)[None, :])
@@ -522,8 +516,8 @@ def _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pr
                    CLEAR: tl.constexpr, INTERPRETED: tl.constexpr):
     """Everything after stage A for one whole token tile, by one program."""
     tl.debug_barrier()  # this program's accumulator stores before its reloads
-    inv_c, _ = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, acc_ptr, acc_ptr,
-                            acc_ptr, T, tile, TILE_T, CLEAR, False, False, INTERPRETED)
+    inv_c = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, acc_ptr,
+                         T, tile, TILE_T, CLEAR, False, False, False, INTERPRETED)
     if FRESH:
         tl.debug_barrier()  # pre' (and this tile's X') before the collapse reads them
         csq = _collapse(x_ptr, xo_ptr, u_ptr, pre_ptr, T, stride_xt, stride_xk, tile, 0, N_CHUNKS,
@@ -543,14 +537,15 @@ def _arrive(counter_ptr):
 
 
 @triton.jit
-def _wait(flag_ptr, MAX_SPINS: tl.constexpr):
-    """Spin (acquire) until the flag is set; True if it never was (corrupted sync state)."""
-    flag = tl.atomic_add(flag_ptr, 0, sem="acquire")
+def _wait(counter_ptr, target, MAX_SPINS: tl.constexpr):
+    """Spin (acquire) until the counter reaches target; True if it never does (corrupted sync
+    state)."""
+    value = tl.atomic_add(counter_ptr, 0, sem="acquire")
     spins = 0
-    while (flag == 0) & (spins < MAX_SPINS):
-        flag = tl.atomic_add(flag_ptr, 0, sem="acquire")
+    while (value < target) & (spins < MAX_SPINS):
+        value = tl.atomic_add(counter_ptr, 0, sem="acquire")
         spins += 1
-    return flag == 0
+    return value < target
 
 
 @triton.jit
@@ -673,7 +668,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         n_jobs = n_a + n_c + n_tiles * R_SPLITS
         inv_ws = ws_ptr
         role, tile, part = _epilogue_job(job, n_tiles, lag, N_SPLITS, R_SPLITS)
-        done = -1  # this job's end-of-launch ticket, once taken
+        finisher = False  # a tile's last stage-A arrival takes no end-of-launch ticket (below)
         if role == ROLE_STAGE_A:
             _note_job(trace_ptr, job, ROLE_STAGE_A, TRACE)
             sync = sync_ptr + TILE_SYNC + tile * 4
@@ -686,15 +681,17 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             ticket = _arrive(sync + ARRIVE_A)
             _stamp(trace_ptr, EV_ARRIVED, TRACE)
             if ticket == N_SPLITS - 1:
-                inv_c, done = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr,
-                                           inv_ws + tile * TILE_T, sync + READY_A, sync_ptr + DONE_COUNTER,
-                                           trace_ptr, T, tile, TILE_T, True, True, TRACE, INTERPRETED)
+                # carried pre: nothing waits for this merge (the rescale jobs wait for the tile's
+                # arrivals and read sum(c^2) themselves); fresh: the collapse jobs wait for pre'
+                _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, sync + READY_A,
+                             trace_ptr, T, tile, TILE_T, True, not FRESH, FRESH, TRACE, INTERPRETED)
+                finisher = True
                 _stamp(trace_ptr, EV_FINISHED, TRACE)
         elif role == ROLE_COLLAPSE:
             # fresh: collapse this slice with pre' (stored by the tile's merge); sum(c^2) by atomics
             _note_job(trace_ptr, job, ROLE_COLLAPSE, TRACE)
             sync = sync_ptr + TILE_SYNC + tile * 4
-            failed = _wait(sync + READY_A, MAX_SPINS)
+            failed = _wait(sync + READY_A, 1, MAX_SPINS)
             _stamp(trace_ptr, EV_READY, TRACE)
             c_begin = part * SPLIT_CHUNKS
             csq = _collapse(x_ptr, xo_ptr, u_ptr, pre_ptr, T, stride_xt, stride_xk, tile, c_begin,
@@ -718,31 +715,47 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             b_begin = part * R_PER_JOB
             sync = sync_ptr + TILE_SYNC + tile * 4
             if FRESH:
-                failed = _wait(sync + READY_C, MAX_SPINS)
+                failed = _wait(sync + READY_C, 1, MAX_SPINS)
+                _stamp(trace_ptr, EV_READY, TRACE)
+                inv_c = tl.load(inv_ws + tile * TILE_T + tl.arange(0, TILE_T), cache_modifier=".cg")
             else:
-                failed = _wait(sync + READY_A, MAX_SPINS)
-            _stamp(trace_ptr, EV_READY, TRACE)
-            inv_c = tl.load(inv_ws + tile * TILE_T + tl.arange(0, TILE_T), cache_modifier=".cg")
+                # every stage-A job of the tile has arrived (each a release): sum(c^2) is complete,
+                # so the rescale need not wait for the tile's merge (coefficients, Sinkhorn)
+                failed = _wait(sync + ARRIVE_A, N_SPLITS, MAX_SPINS)
+                _stamp(trace_ptr, EV_READY, TRACE)
+                rows = tile * TILE_T + tl.arange(0, TILE_T)
+                csq = tl.load(acc_ptr + rows.to(tl.int64) * SLOT + CSQ_COL, mask=rows < T, other=0.0,
+                              cache_modifier=".cg")
+                inv_c = tl.rsqrt(csq / D + NORM_EPS)
             inv_c = tl.where(failed, float("nan"), inv_c)
             _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin,
                      tl.minimum(b_begin + R_PER_JOB, (D + R_BLOCK - 1) // R_BLOCK), TILE_T, R_BLOCK,
                      INTERPRETED)
             _stamp(trace_ptr, EV_WORK, TRACE)
-        # The last job to finish restores the all-zero sync state: every job number has been
-        # claimed and every wait of this launch is over. Relaxed: nothing is published through
-        # this counter (every thread's waits are over at the barrier, and the next launch is
+        # The last job to finish restores the all-zero state: every job number has been claimed
+        # and every wait of this launch is over. Relaxed: nothing is published through this
+        # counter (every thread's waits are over at the barrier, and the next launch is
         # stream-ordered after this one), so it skips the release fence, ~0.3 us at the launch's end.
-        # A tile's last arrival took its ticket already, as soon as it published the tile.
-        if done < 0:
+        # The tiles' last stage-A arrivals take no ticket: once a tile's arrivals are in, its merge
+        # reads and writes nothing another job or this reset touches (its accumulator row apart
+        # from sum(c^2), which it clears itself; its own outputs), and the reset needs every
+        # other job of the tile done (the rescale jobs, after the arrivals; fresh: the collapse
+        # jobs, after the merge's publish): so the merge's Sinkhorn does not end in an atomic's
+        # round trip. Carried pre: the rescale jobs read sum(c^2), so this reset zeroes it.
+        if not finisher:
             tl.debug_barrier()
-            done = tl.atomic_add(sync_ptr + DONE_COUNTER, 1, sem="relaxed")
-        if done == n_jobs - 1:
-            for i in range(0, n_tiles * 4, 1024):
-                offs = i + tl.arange(0, 1024)
-                tl.store(sync_ptr + TILE_SYNC + offs, tl.full([1024], 0, dtype=tl.int32),
-                         mask=offs < n_tiles * 4)
-            tl.atomic_xchg(sync_ptr + JOB_COUNTER, 0, sem="relaxed")
-            tl.atomic_xchg(sync_ptr + DONE_COUNTER, 0, sem="relaxed")
+            if tl.atomic_add(sync_ptr + DONE_COUNTER, 1, sem="relaxed") == n_jobs - n_tiles - 1:
+                for i in range(0, n_tiles * 4, 1024):
+                    offs = i + tl.arange(0, 1024)
+                    tl.store(sync_ptr + TILE_SYNC + offs, tl.full([1024], 0, dtype=tl.int32),
+                             mask=offs < n_tiles * 4)
+                if not FRESH:
+                    for i in range(0, n_tiles * TILE_T, 1024):
+                        offs = i + tl.arange(0, 1024)
+                        tl.store(acc_ptr + offs.to(tl.int64) * SLOT + CSQ_COL, tl.full([1024], 0.0, dtype=tl.float32),
+                                 mask=offs < n_tiles * TILE_T)
+                tl.atomic_xchg(sync_ptr + JOB_COUNTER, 0, sem="relaxed")
+                tl.atomic_xchg(sync_ptr + DONE_COUNTER, 0, sem="relaxed")
     _stamp(trace_ptr, EV_END, TRACE)
 ''')
 

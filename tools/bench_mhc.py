@@ -225,16 +225,16 @@ def sweep_configs(T: int) -> list[LaunchConfig]:
                 C(32, 32, 320, 8, pipeline_stages=3, presplit_fn=True),
                 C(16, 32, 512, 8, pipeline_stages=3, presplit_fn=True)]
     # the tiled variant rescales every tile at the end (every parked collapse re-read at once, from
-    # HBM); split jobs whose rescale follows a few tiles later (rescale_lag) overlap it with the sweep
+    # HBM); a tile split in slices whose last arrival rescales it (r_splits=0) does so right after
+    # the tile's sweep, from a collapse parked moments before; rescale jobs numbered a few tiles
+    # later (rescale_lag) overlap the rescale with later tiles' sweeps
     return [C(16, 64, 5120, pipeline_stages=3),
+            C(16, 64, 2560, 0, pipeline_stages=3, presplit_fn=True),
+            C(16, 64, 1280, 0, pipeline_stages=3, presplit_fn=True),
             C(16, 64, 2560, 4, pipeline_stages=3, presplit_fn=True),
-            C(16, 64, 2560, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=22),
-            C(16, 64, 2560, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=44),
-            C(16, 64, 1280, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=16),
-            C(16, 64, 1280, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=33),
+            C(16, 64, 2560, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=88),
             C(16, 64, 1280, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=66),
-            C(16, 64, 1280, 2, pipeline_stages=3, presplit_fn=True, rescale_lag=44),
-            C(16, 64, 640, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=33)]
+            C(16, 64, 1280, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=132)]
 
 
 def run_sweep(T: int, device, log) -> list:
