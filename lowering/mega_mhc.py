@@ -376,7 +376,9 @@ def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr
 $POST_LOADS
     if not FRESH:
 $PRE_LOADS
-    acc = tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32)
+    # one projection accumulator per stream: a chunk's dots then form n independent chains of
+    # tensor-core steps instead of one dependent chain through a single accumulator
+$ACC_INIT
     sumsq = tl.full([TILE_T], 0.0, dtype=tl.float32)
     csq = tl.full([TILE_T], 0.0, dtype=tl.float32)
     if PIPELINE_STAGES > 0:
@@ -398,6 +400,7 @@ $PIPELINED_BODY
                 x_ptr, y_ptr, fn_ptr, fns_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk + 1, c_end,
                 BLOCK_D, PRESPLIT)
 $BUFFERED_BODY
+    acc = $ACC_SUM
     cols = tl.arange(0, SLOT)[None, :]
     part = tl.where(cols == SUMSQ_COL, sumsq[:, None], tl.where(cols == CSQ_COL, csq[:, None], acc))
     offs = rows64[:, None] * SLOT + cols
@@ -568,47 +571,25 @@ def _note_job(trace_ptr, job, role, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _epilogue_job(job, n_tiles, lag, N_SPLITS: tl.constexpr, R_SPLITS: tl.constexpr):
-    """(role, token tile, part) of epilogue-mode job `job`; part is the D slice of a stage-A or
-    collapse job, the block group of a rescale job.
-
-    Fresh pre: every stage-A job, then every collapse job, then every rescale job. Carried pre:
-    tile t's rescale jobs come right after the stage-A jobs of tile t + lag (lag <= n_tiles; lag ==
-    n_tiles: after every stage-A job), so that with more jobs than the GPU holds at once, a tile's
-    rescale runs while later tiles sweep, reading a collapse parked moments before (still in L2),
-    instead of every tile's rescale at the launch's end:
-        A(0) .. A(lag-1) | A(lag) R(0) | A(lag+1) R(1) | ... | A(n-1) R(n-1-lag) | R(n-lag) .. R(n-1)
-    Either way every job a job waits for has a smaller number (see "forward progress")."""
+def _epilogue_job(job, n_tiles, N_SPLITS: tl.constexpr, R_SPLITS: tl.constexpr):
+    """(role, token tile, part) of epilogue-mode job `job`, in claim order: every stage-A job, then
+    (fresh pre) every collapse job, then every rescale job; part is the D slice of a stage-A or
+    collapse job, the block group of a rescale job. Every job a job waits for has a smaller
+    number (see "forward progress"). Past the last job (only with a corrupted sync state) the
+    role is -1: no work."""
     n_a = n_tiles * N_SPLITS
-    if FRESH:
-        role = tl.where(job < n_a, ROLE_STAGE_A, tl.where(job < 2 * n_a, ROLE_COLLAPSE, ROLE_RESCALE))
-        q = tl.where(job < n_a, job, tl.where(job < 2 * n_a, job - n_a, job - 2 * n_a))
-        div = tl.where(role == ROLE_RESCALE, R_SPLITS, N_SPLITS)
-        tile, part = q // div, q % div
-    else:
-        per_tile = N_SPLITS + R_SPLITS
-        head = lag * N_SPLITS  # the stage-A jobs of the first lag tiles
-        q = job - head
-        middle = (n_tiles - lag) * per_tile  # blocks of (A(lag + g), R(g))
-        g, r = q // per_tile, q % per_tile
-        s = q - middle  # the rescale jobs of the last lag tiles
-        in_head = job < head
-        in_middle = (q >= 0) & (q < middle)
-        is_a = in_head | (in_middle & (r < N_SPLITS))
-        role = tl.where(is_a, ROLE_STAGE_A, ROLE_RESCALE)
-        tile = tl.where(in_head, job // N_SPLITS,
-                        tl.where(in_middle, tl.where(r < N_SPLITS, lag + g, g), n_tiles - lag + s // R_SPLITS))
-        part = tl.where(in_head, job % N_SPLITS,
-                        tl.where(in_middle, tl.where(r < N_SPLITS, r, r - N_SPLITS), s % R_SPLITS))
-    # past the last job (only with a corrupted sync state): no role
-    role = tl.where(job < n_a * (2 if FRESH else 1) + n_tiles * R_SPLITS, role, -1)
-    return role, tile, part
+    n_c = n_a if FRESH else 0
+    role = tl.where(job < n_a, ROLE_STAGE_A, tl.where(job < n_a + n_c, ROLE_COLLAPSE, ROLE_RESCALE))
+    role = tl.where(job < n_a + n_c + n_tiles * R_SPLITS, role, -1)
+    q = tl.where(job < n_a, job, tl.where(job < n_a + n_c, job - n_a, job - n_a - n_c))
+    per_tile = tl.where(role == ROLE_RESCALE, R_SPLITS, N_SPLITS)
+    return role, q // per_tile, q % per_tile
 
 
-@triton.jit(do_not_specialize=["T", "n_tiles", "lag"])  # one binary for every T
+@triton.jit(do_not_specialize=["T", "n_tiles"])  # one binary for every T
 def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, base_ptr, scale_ptr, w_ptr,
                     xo_ptr, u_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, ws_ptr, sync_ptr, trace_ptr,
-                    T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre, n_tiles, lag,
+                    T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre, n_tiles,
                     TILE_T: tl.constexpr, BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr,
                     SPLIT_CHUNKS: tl.constexpr, N_SPLITS: tl.constexpr, R_BLOCK: tl.constexpr,
                     R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
@@ -667,7 +648,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         n_c = n_a if FRESH else 0
         n_jobs = n_a + n_c + n_tiles * R_SPLITS
         inv_ws = ws_ptr
-        role, tile, part = _epilogue_job(job, n_tiles, lag, N_SPLITS, R_SPLITS)
+        role, tile, part = _epilogue_job(job, n_tiles, N_SPLITS, R_SPLITS)
         finisher = False  # a tile's last stage-A arrival takes no end-of-launch ticket (below)
         if role == ROLE_STAGE_A:
             _note_job(trace_ptr, job, ROLE_STAGE_A, TRACE)
@@ -1021,7 +1002,7 @@ def generate_source(spec: MhcSpec) -> str:
     block("POST_LINES", 12, post)
     block("F32_LINES", 8, [f"xf_{k} = x_{k}.to(tl.float32)" for k in streams])
     block("PROJECT_LINES", 12,
-          [f"acc = _project(acc, _opaque(x_{k}, INTERPRETED), {', '.join(pieces[k])}, "
+          [f"acc_{k % 2} = _project(acc_{k % 2}, _opaque(x_{k}, INTERPRETED), {', '.join(pieces[k])}, "
            f"{'PRESPLIT, ' if bf16 else ''}INTERPRETED)" for k in streams])
     block("FRESH_PRE_LINES", 4,
           [f"pre_{k} = tl.load(pre_ptr + rows64 * N + {k}, mask=row_ok, other=0.0, cache_modifier=\".cg\")"
@@ -1030,6 +1011,8 @@ def generate_source(spec: MhcSpec) -> str:
           [f"x_{k} = tl.load(x_ptrs{step(k, 'D')}, mask=ok, other=0.0, cache_modifier=\".cg\")" for k in streams])
     block("FRESH_X_LINES", 12,
           [f"x_{k} = tl.load(x_ptrs{step(k, 'stride_xk')}, mask=ok, other=0.0)" for k in streams])
+    block("ACC_INIT", 4, [f"acc_{k} = tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32)" for k in range(2)])
+    lines["ACC_SUM"] = _tree_sum([f"acc_{k}" for k in range(2)])
     block("GATE_LINES", 8, _gate_lines(spec))
     block("COMB_LINES", 8, _comb_lines(spec))
     lines["TRACE_EVENTS"] = len(TRACE_EVENTS)
@@ -1097,10 +1080,6 @@ class LaunchConfig:
                  once (mega_mhc_split_fn), and stage A loads those instead of splitting its fp32
                  block again in every token tile (the split is ~1/3 of stage A's instructions per
                  chunk on sm_90, repeated T / tile_t times per launch)
-    rescale_lag  epilogue jobs, carried pre: tile t's rescale jobs are numbered right after the
-                 stage-A jobs of tile t + rescale_lag (None: after all stage-A jobs). With more
-                 jobs than the GPU holds at once, a tile is rescaled while later tiles still
-                 sweep, from a collapse parked moments before, instead of every tile at the end
     """
     tile_t: int
     block_d: int
@@ -1110,7 +1089,6 @@ class LaunchConfig:
     num_stages: int = 2
     pipeline_stages: int = 0
     presplit_fn: bool = False
-    rescale_lag: int | None = None
 
     def variant(self, dim: int) -> str:
         return "tiled" if self.split_cols >= dim else "split"
@@ -1137,7 +1115,7 @@ SPLIT_MAX_T = 2048
 _CUDA_TABLE = (
     (16, 16, 32, 32, 16, 4, 0, False),
     (128, 16, 64, 128, 32, 4, 2, False),
-    (SPLIT_MAX_T, 16, 32, 512, 8, 4, 3, False),
+    (SPLIT_MAX_T, 16, 64, 640, 8, 4, 3, False),
 )
 _CUDA_TILED = (16, 64, 4, 3, True)  # tile_t, block_d, warps, pipeline_stages, presplit_fn above SPLIT_MAX_T
 
@@ -1341,16 +1319,11 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
     n_rblocks = -(-spec.dim // r_block)
     r_per_job = -(-n_rblocks // max(cfg.r_splits, 1))
     r_splits = -(-n_rblocks // r_per_job) if (n_splits > 1 and cfg.r_splits > 0) else 0
-    if cfg.rescale_lag is not None and (r_splits == 0 or spec.pre == "fresh" or cfg.rescale_lag < 0):
-        raise ValueError(f"mega_mhc: rescale_lag orders epilogue rescale jobs of a carried-pre seam: it "
-                         f"needs r_splits > 0 with D split, the carried pre and a lag >= 0, not the "
-                         f"{spec.form()} form with {cfg}")
     n_jobs = n_tiles * n_splits
     if r_splits:
         n_jobs = n_jobs * (2 if spec.pre == "fresh" else 1) + n_tiles * r_splits
-    lag = n_tiles if cfg.rescale_lag is None else min(cfg.rescale_lag, n_tiles)
     return dict(n_tiles=n_tiles, n_chunks=n_chunks, split_chunks=split_chunks, n_splits=n_splits,
-                r_block=r_block, r_per_job=r_per_job, r_splits=r_splits, n_jobs=n_jobs, lag=lag,
+                r_block=r_block, r_per_job=r_per_job, r_splits=r_splits, n_jobs=n_jobs,
                 variant="tiled" if n_splits == 1 else "split")
 
 
@@ -1427,7 +1400,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         comb_out if comb_out is not None else acc, acc, ws, sync, trace if trace is not None else acc,
         T, x_stride[0], x_stride[1], y.stride(0) if y is not None else 0,
         post.stride(0) if post is not None else 0, comb.stride(0) if comb is not None else 0,
-        carried_pre.stride(0) if carried_pre is not None else 0, n_tiles, plan["lag"],
+        carried_pre.stride(0) if carried_pre is not None else 0, n_tiles,
         TILE_T=cfg.tile_t, BLOCK_D=cfg.block_d, N_CHUNKS=plan["n_chunks"],
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
         R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], PIPELINE_STAGES=cfg.pipeline_stages,

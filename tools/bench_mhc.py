@@ -139,10 +139,6 @@ def correctness_suite(device, dry: bool, log) -> list:
                  ("v4_fresh/epilogue-jobs", dataclasses.replace(delayed, pre="fresh"), 70, None,
                   LaunchConfig(16, 64, 512, r_splits=8)),
                  ("delayed", delayed, 2100, "tiled", None)]
-    # rescale jobs interleaved with later tiles' stage A (rescale_lag), more tiles than the lag
-    runs += [("delayed/rescale-lag", delayed, 37 if dry else 900, None,
-              LaunchConfig(16, 32, 64, r_splits=2, rescale_lag=1) if dry else
-              LaunchConfig(16, 64, 1280, r_splits=4, pipeline_stages=3, presplit_fn=True, rescale_lag=8))]
     # fn split once per launch: the tiled and the epilogue-job split variants, delayed and fresh
     runs += [("delayed/presplit-fn", delayed, 37 if dry else 600, None,
               LaunchConfig(16, 32, 4096 if dry else 5120, pipeline_stages=3, presplit_fn=True)),
@@ -211,30 +207,21 @@ def sweep_configs(T: int) -> list[LaunchConfig]:
     if T <= 16:
         return [C(16, 32, 32, 16, num_warps=2), C(16, 64, 64, 8), C(16, 32, 64, 8)]
     if T <= 128:
-        # stage-A jobs per SM: 40 slices x 4 tiles = 160 jobs leave 28 of 132 SMs two jobs (the
-        # critical path); one-chunk jobs (320) run at most three per SM, each a third as long
-        return [C(16, 64, 128, 32), C(16, 64, 64, 32), C(16, 64, 64, 32, pipeline_stages=2),
-                C(16, 32, 32, 16), C(16, 32, 64, 16, pipeline_stages=2), C(16, 64, 192, 32, pipeline_stages=2),
-                C(16, 64, 128, 32, pipeline_stages=3, presplit_fn=True)]
+        return [C(16, 64, 128, 32), C(16, 64, 64, 32), C(16, 32, 64, 16, pipeline_stages=2),
+                C(16, 64, 192, 32, pipeline_stages=2), C(16, 64, 128, 32, pipeline_stages=3, presplit_fn=True)]
     if T <= 1024:
-        # 32 tiles x 10 slices = 320 stage-A jobs over 132 SMs: 56 SMs run three (48 chunks each),
-        # 76 two; 8 slices of 640 columns (256 jobs) put at most 40 chunks on any SM
-        return [C(16, 32, 640, 8, pipeline_stages=3), C(16, 32, 640, 16, pipeline_stages=3),
-                C(16, 64, 640, 8, pipeline_stages=3), C(16, 32, 448, 8, pipeline_stages=3),
-                C(16, 32, 640, 8, pipeline_stages=3, presplit_fn=True),
-                C(32, 32, 320, 8, pipeline_stages=3, presplit_fn=True),
-                C(16, 32, 512, 8, pipeline_stages=3, presplit_fn=True)]
-    # the tiled variant rescales every tile at the end (every parked collapse re-read at once, from
-    # HBM); a tile split in slices whose last arrival rescales it (r_splits=0) does so right after
-    # the tile's sweep, from a collapse parked moments before; rescale jobs numbered a few tiles
-    # later (rescale_lag) overlap the rescale with later tiles' sweeps
-    return [C(16, 64, 5120, pipeline_stages=3),
+        # 32 tiles x 10 slices = 320 stage-A jobs over 132 SMs hold at most 2 or 3 per SM: 56 SMs run
+        # three (48 chunks each), 76 two; 8 slices of 640 columns (256 jobs) put at most 40 on an SM
+        return [C(16, 32, 512, 8, pipeline_stages=3), C(16, 32, 640, 8, pipeline_stages=3),
+                C(16, 64, 768, 8, pipeline_stages=3), C(16, 64, 640, 4, pipeline_stages=3),
+                C(16, 64, 640, 8, pipeline_stages=3, presplit_fn=True),
+                C(32, 32, 320, 8, pipeline_stages=3, presplit_fn=True)]
+    # the tiled variant rescales every tile at the end (every parked collapse re-read at once);
+    # a tile split in slices whose last arrival rescales it (r_splits=0) does so right after the
+    # tile's sweep instead, and split tiles with rescale jobs spread it over the GPU
+    return [C(16, 64, 5120, pipeline_stages=3), C(16, 64, 5120, pipeline_stages=2, presplit_fn=True),
             C(16, 64, 2560, 0, pipeline_stages=3, presplit_fn=True),
-            C(16, 64, 1280, 0, pipeline_stages=3, presplit_fn=True),
-            C(16, 64, 2560, 4, pipeline_stages=3, presplit_fn=True),
-            C(16, 64, 2560, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=88),
-            C(16, 64, 1280, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=66),
-            C(16, 64, 1280, 4, pipeline_stages=3, presplit_fn=True, rescale_lag=132)]
+            C(16, 64, 2560, 4, pipeline_stages=3, presplit_fn=True)]
 
 
 def run_sweep(T: int, device, log) -> list:
