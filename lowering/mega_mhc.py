@@ -1097,23 +1097,26 @@ class LaunchConfig:
 # CUDA launch table: the fastest correct configuration of tools/bench_mhc.py --sweep on one H200
 # (D=5120, n=4, bf16 streams, delayed seam, CUDA-graph replay; results/bench_mhc.json "sweep").
 # Rows: (max T, tile_t, block_d, split_cols, r_splits, warps, pipeline_stages, presplit_fn).
-#   T=1    160 one-chunk stage-A jobs + 10 rescale jobs    7.4 us (2 / 8 warps 7.9 / 8.4, 64-column
-#                                                                  jobs 7.8)
-#   T=64   4 tiles x 40 slices + 10 rescale jobs a tile,  12.8 us (not pipelined 13.6, presplit fn 15.4)
-#          stage A pipelined 2 deep
-#   T=512  32 tiles x 10 slices + 5 rescale jobs a tile,  35.6 us (presplit fn 36.7, not pipelined
-#          stage A pipelined 3 deep                              53.0, 32-token tiles 44.4)
+#   T=1    80 one-chunk stage-A jobs + 5 rescale jobs      6.65 us (160 32-column jobs 6.79, the same
+#                                                                  with 2 warps 6.83)
+#   T=64   4 tiles x 40 slices + 10 rescale jobs a tile,  11.9 us (not pipelined 12.1, one-chunk jobs
+#          stage A pipelined 2 deep                              12.1, presplit fn 13.2)
+#   T=512  32 tiles x 8 slices + 5 rescale jobs a tile,   28.7 us (presplit fn 28.8, 10 slices of 32-
+#          stage A pipelined 3 deep                              column chunks 33.4, 32-token tiles 33.5)
+#          (256 stage-A jobs: at most two per SM; 10 slices left 56 SMs with three and 76 with two)
 # Above SPLIT_MAX_T the tiled variant: one 16-token tile per program (256 programs at T=4096),
-# stage A pipelined 3 deep, fn split once per launch: 172.5 us (not presplit 181.4, neither 204.1,
-# pipelined 2 deep 217.3, split in two 175.1, 32-token tiles 243.5). 16-token tiles win
-# everywhere: with ~170-245 registers a thread, two or three 4-warp programs share an SM, and more,
-# smaller programs hide the sweep's memory latency better than larger tiles amortise fn. The
-# threshold 2048 is where the tiled variant reaches one program per SM (128 at T=2048); between 512
-# and 4096 it is not measured. presplit_fn only applies to bf16 streams with coefficients
-# (choose_config drops it otherwise).
+# stage A pipelined 3 deep, fn split once per launch: 169.8 us (not presplit 178.2, pipelined 2
+# deep 216.3, split in two with rescale jobs 174.3, split in two finished by the last arrival
+# 186.7; earlier runs: 32-token tiles 243.5). 16-token tiles win everywhere: with ~170-255
+# registers a thread, two or three 4-warp programs share an SM, and more, smaller programs hide
+# the sweep's memory latency better than larger tiles amortise fn; 64-column chunks (128 B of a
+# bf16 row) beat 32-column ones wherever registers allow two programs per SM. The threshold 2048
+# is where the tiled variant reaches one program per SM (128 at T=2048); between 512 and 4096 it
+# is not measured. presplit_fn only applies to bf16 streams with coefficients (choose_config
+# drops it otherwise). Sweep of one run: neighbours within ~3% trade places between runs.
 SPLIT_MAX_T = 2048
 _CUDA_TABLE = (
-    (16, 16, 32, 32, 16, 4, 0, False),
+    (16, 16, 64, 64, 8, 4, 0, False),
     (128, 16, 64, 128, 32, 4, 2, False),
     (SPLIT_MAX_T, 16, 64, 640, 8, 4, 3, False),
 )

@@ -205,7 +205,7 @@ def sweep_configs(T: int) -> list[LaunchConfig]:
     once per launch (`presplit_fn`) where token tiles would split it many times over."""
     C = LaunchConfig
     if T <= 16:
-        return [C(16, 32, 32, 16, num_warps=2), C(16, 64, 64, 8), C(16, 32, 64, 8)]
+        return [C(16, 32, 32, 16), C(16, 32, 32, 16, num_warps=2), C(16, 32, 64, 8)]
     if T <= 128:
         return [C(16, 64, 128, 32), C(16, 64, 64, 32), C(16, 32, 64, 16, pipeline_stages=2),
                 C(16, 64, 192, 32, pipeline_stages=2), C(16, 64, 128, 32, pipeline_stages=3, presplit_fn=True)]
