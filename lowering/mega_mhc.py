@@ -48,8 +48,8 @@ organised around moving those bytes once:
   atomics when D is split). The program that completes the tile reads them as [TILE_T] vectors and
   runs r = rsqrt(mean(X'^2) + eps), the sigmoid gates, softmax and exactly the reference's Sinkhorn
   truncation fully unrolled (n*n vectors; row and column sums are plain additions), and stores
-  pre', post', comb'. It loads the whole row before its first store, and, when other jobs wait
-  for the tile, publishes it (1/rms, pre') before Sinkhorn, which then overlaps their work.
+  pre', post', comb'. It loads the whole row before its first store; with a fresh pre it
+  publishes pre' before Sinkhorn, which then overlaps the collapse jobs' work.
 * The norm's statistic needs the whole row too, so a second, short sweep rescales the parked
   collapse in place: u = c * rsqrt(mean(c^2) + eps) * w (reads and writes 2D bytes per token:
   from L2 at small T; at T=4096 the parked 42 MB have left L2, and the rescale is the last ~14%
@@ -67,7 +67,9 @@ Variants (one kernel, constexpr switches; `choose_config` picks one per T):
   row (atomics) and arrive on the tile's counter; the last arrival computes the coefficients. The
   rescale (and the fresh collapse) is then done either by that last arrival for the whole tile
   (`r_splits == 0`) or by `r_splits` epilogue jobs per tile that wait for the tile (spreads it over
-  the GPU: measured faster at every T tried, see `choose_config`).
+  the GPU: measured faster at every T tried, see `choose_config`). With the carried pre the
+  rescale jobs wait for the tile's stage-A arrivals, not for its merge: sum(c^2) is complete then,
+  and each reads it from the accumulator row, so the merge (Sinkhorn) runs beside the rescale.
 
 Forward progress in the split variant with epilogue jobs: jobs are numbered by an atomic counter
 taken at program start (stage-A jobs first, then fresh-collapse jobs, then rescale jobs), and a job
@@ -98,14 +100,15 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json): CUDA-graph replay 7.4 / 12.4 / 35.8 / 173 us at
-T = 1 / 64 / 512 / 4096 against 59 / 99 / 301 / 1767 us for the same chain under torch.compile.
+Measured (H200, results/bench_mhc.json): CUDA-graph replay 6.6 / 11.5 / 28.6 / 170 us at
+T = 1 / 64 / 512 / 4096 against 60 / 95 / 303 / 1780 us for the same chain under torch.compile.
 Where the time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the first start):
-at T=1, job claim 0.5 us, stage A done 2.1, arrived 3.5-4.1 (the release fence waits for the
-partial-sum atomics), tile published 4.8, rescale done 5.7-6.0, coefficients + Sinkhorn done 6.5,
-last program ends 6.9; at T=64 stage A takes 5.4 us (two [16, 64] chunks: instruction latency
-with ~1.5 programs per SM); at T=4096 the sweep ends at 145-152 us and the merge + rescale tail
-at 165-170 (the parked collapse is re-read from HBM by every tile at once).
+at T=1, job claim 0.4 us, stage A done 2.5, arrived 3.6-3.7 (the release fence waits for the
+partial-sum atomics), rescale done 4.9-5.0, coefficients + Sinkhorn done 5.8 (the last program);
+at T=64 stage A takes 5.6 us (two [16, 64] chunks: one warp's instruction latency with one or two
+programs per SM), then the merge and Sinkhorn 2.7 us after the last arrival; at T=4096 the sweep
+ends at 144-150 us and the merge + rescale tail at 164-169 (the parked collapse is re-read from
+HBM by every tile at once).
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
 launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
 """

@@ -10,7 +10,8 @@ Hopper SM has, would pass every CPU test. `build_launch` closes that gap:
    an i32 (i64 past 2^31), a keyword a constexpr, with INTERPRETED forced False so that the
    compiler's branches are the ones built; and it specialises it as Triton's launcher does (an
    int equal to 1 is compiled in, 16-divisible pointers and ints say so), without which the same
-   kernel builds with other registers (32 + 3.4 KB of stack instead of 242 for the seam at T=64);
+   kernel builds with other registers (32 + 3.4 KB of stack instead of 242 for the seam at T=64,
+   measured when this was written);
 3. it compiles that for `target` (default sm_90, the H200) to PTX and a cubin, with the ptxas in
    Triton's wheel, and reads the cubin's resource usage with its cuobjdump.
 

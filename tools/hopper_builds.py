@@ -9,12 +9,12 @@ ptxas in Triton's wheel) and the table gives registers per thread, stack / local
 shared memory, warps, stages, the programs one SM holds at once (`Build.programs_per_sm`): what
 decides occupancy, known before any GPU time is spent; and the instructions of the kernel's
 largest loop (`Build.loops`: for a Mega-mHC seam, one stage-A chunk). The
-H200's own builds (results/tools/inspect_proxy.json, T = 64, the launch configuration of that run:
-stage A not pipelined) reported the numbers this builds for that configuration for the delayed
-seam (242 registers, 10240 B) and the gate (217, 40960 B); the first seam and the final collapse
-differed by under 7% (203 vs 199, 154 vs 164 registers: Triton 3.6 there, this machine's Triton
-here). A launch that first runs a helper kernel (Mega-mHC's `presplit_fn`) is listed by its seam
-kernel. A build, not a measurement: no timings.
+H200's own builds (results/tools/inspect_proxy.json, T = 64, the tuned launch configurations)
+reported 243 registers / 45056 B for the delayed seam, 168 / 43008 B for the first seam, 128 /
+22528 B for the final collapse and 217 / 40960 B for the gate; this builds 246, 168, 130 and 217
+registers with the same shared memory (Triton 3.6 there, this machine's Triton here). A launch
+that first runs a helper kernel (Mega-mHC's `presplit_fn`) is listed by its seam kernel. A build,
+not a measurement: no timings.
 """
 
 from __future__ import annotations
