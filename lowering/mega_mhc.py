@@ -379,8 +379,9 @@ def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr
 $POST_LOADS
     if not FRESH:
 $PRE_LOADS
-    # one projection accumulator per stream: a chunk's dots then form n independent chains of
-    # tensor-core steps instead of one dependent chain through a single accumulator
+    # two projection accumulators (even and odd streams): a chunk's 2n tensor-core dots form two
+    # independent chains instead of one through a single accumulator (one accumulator per stream
+    # took the 16 x 64 sm_90 builds to 255 registers and spills)
 $ACC_INIT
     sumsq = tl.full([TILE_T], 0.0, dtype=tl.float32)
     csq = tl.full([TILE_T], 0.0, dtype=tl.float32)
@@ -424,13 +425,17 @@ def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, re
     except sum(c^2) with KEEP_CSQ (epilogue jobs, carried pre: the rescale jobs read it, and the
     launch's last job zeroes it). PUBLISH (epilogue jobs, fresh pre): as soon as pre' is stored,
     set the tile's ready flag, so that the fresh collapse overlaps Sinkhorn (the merge's longest
-    part) instead of following it. Returns 1/rms of the carried collapse [TILE_T]."""
+    part) instead of following it. Returns 1/rms of the carried collapse [TILE_T] (zeros with
+    KEEP_CSQ: the rescale jobs compute it, and sum(c^2) is not read here)."""
     rows = tile * TILE_T + tl.arange(0, TILE_T)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
     sums = acc_ptr + rows64 * SLOT  # .cg below: read at L2, where every job's atomics landed
-    csq = tl.load(sums + CSQ_COL, mask=row_ok, other=0.0, cache_modifier=".cg")
-    inv_c = tl.rsqrt(csq / D + NORM_EPS)  # carried collapse: rms_normalize's 1/rms
+    if KEEP_CSQ:
+        inv_c = tl.full([TILE_T], 0.0, dtype=tl.float32)
+    else:
+        csq = tl.load(sums + CSQ_COL, mask=row_ok, other=0.0, cache_modifier=".cg")
+        inv_c = tl.rsqrt(csq / D + NORM_EPS)  # carried collapse: rms_normalize's 1/rms
     if HAS_COEFFS:
         # r scales the projection instead of the input: one scalar per token, over all n*D values
         r = tl.rsqrt(tl.load(sums + SUMSQ_COL, mask=row_ok, other=0.0, cache_modifier=".cg") / ND + STAT_EPS)
