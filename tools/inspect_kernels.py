@@ -307,6 +307,9 @@ def measure(fused, inputs: tuple, kernels: list[dict], device: str, repeat: int)
             entry["time"] = {"method": "torch.profiler device time per launch (with any helper kernel it runs "
                                        "first), mean",
                              "per_launch_s": sum(timed) / len(timed) if timed else None}
+            helper = [l["helper_s"] for l in mine if "helper_s" in l]
+            if helper:
+                entry["time"]["helpers_per_launch_s"] = sum(helper) / len(mine)
             if not timed:
                 entry["time"]["method"] = "not available: launches and profiler kernels did not pair up"
             variants = compiled.get(key, {})
