@@ -416,6 +416,20 @@ $BUFFERED_BODY
 
 
 @triton.jit
+def _tile_csq(acc_ptr, T, tile, TILE_T: tl.constexpr):
+    """The tile's sum(c^2) per token, from the accumulator row's CSQ_COL (.cg: read at L2, where
+    every job's atomics landed)."""
+    rows = tile * TILE_T + tl.arange(0, TILE_T)
+    return tl.load(acc_ptr + rows.to(tl.int64) * SLOT + CSQ_COL, mask=rows < T, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _inv_rms(csq):
+    """rms_normalize's 1/rms of the collapse, from its sum of squares over D."""
+    return tl.rsqrt(csq / D + NORM_EPS)
+
+
+@triton.jit
 def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, ready_ptr, trace_ptr,
                  T, tile, TILE_T: tl.constexpr, CLEAR: tl.constexpr, KEEP_CSQ: tl.constexpr,
                  PUBLISH: tl.constexpr, TRACE: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -434,8 +448,7 @@ def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, re
     if KEEP_CSQ:
         inv_c = tl.full([TILE_T], 0.0, dtype=tl.float32)
     else:
-        csq = tl.load(sums + CSQ_COL, mask=row_ok, other=0.0, cache_modifier=".cg")
-        inv_c = tl.rsqrt(csq / D + NORM_EPS)  # carried collapse: rms_normalize's 1/rms
+        inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T))  # the carried collapse's
     if HAS_COEFFS:
         # r scales the projection instead of the input: one scalar per token, over all n*D values
         r = tl.rsqrt(tl.load(sums + SUMSQ_COL, mask=row_ok, other=0.0, cache_modifier=".cg") / ND + STAT_EPS)
@@ -446,11 +459,9 @@ $GATE_LINES
     if CLEAR:  # before any release: a fresh collapse's jobs add their sum(c^2) into this row
         tl.debug_barrier()  # every thread's reads of the row come first
         cols = tl.arange(0, SLOT)[None, :]
-        clear = row_ok[:, None] & (cols < SLOT)
-        if KEEP_CSQ:
-            clear = clear & (cols != CSQ_COL)
+        kept = CSQ_COL if KEEP_CSQ else SLOT  # (no column is SLOT)
         tl.store(acc_ptr + rows64[:, None] * SLOT + cols, tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32),
-                 mask=clear)
+                 mask=row_ok[:, None] & (cols != kept))
     if PUBLISH:
         tl.debug_barrier()
         tl.atomic_xchg(ready_ptr, 1, sem="release")
@@ -533,7 +544,7 @@ def _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pr
         tl.debug_barrier()  # pre' (and this tile's X') before the collapse reads them
         csq = _collapse(x_ptr, xo_ptr, u_ptr, pre_ptr, T, stride_xt, stride_xk, tile, 0, N_CHUNKS,
                         TILE_T, BLOCK_D, INTERPRETED)
-        inv_c = tl.rsqrt(csq / D + NORM_EPS)
+        inv_c = _inv_rms(csq)
     tl.debug_barrier()  # the parked collapse (stored by every thread) before its reloads
     _rescale(u_ptr, w_ptr, T, tile, inv_c, 0, (D + R_BLOCK - 1) // R_BLOCK, TILE_T, R_BLOCK, INTERPRETED)
 
@@ -579,16 +590,14 @@ def _note_job(trace_ptr, job, role, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _epilogue_job(job, n_tiles, N_SPLITS: tl.constexpr, R_SPLITS: tl.constexpr):
+def _epilogue_job(job, n_a, n_c, n_jobs, N_SPLITS: tl.constexpr, R_SPLITS: tl.constexpr):
     """(role, token tile, part) of epilogue-mode job `job`, in claim order: every stage-A job, then
     (fresh pre) every collapse job, then every rescale job; part is the D slice of a stage-A or
     collapse job, the block group of a rescale job. Every job a job waits for has a smaller
     number (see "forward progress"). Past the last job (only with a corrupted sync state) the
-    role is -1: no work."""
-    n_a = n_tiles * N_SPLITS
-    n_c = n_a if FRESH else 0
+    role is -1: no work. n_a, n_c, n_jobs: the stage-A, collapse and all jobs of the launch."""
     role = tl.where(job < n_a, ROLE_STAGE_A, tl.where(job < n_a + n_c, ROLE_COLLAPSE, ROLE_RESCALE))
-    role = tl.where(job < n_a + n_c + n_tiles * R_SPLITS, role, -1)
+    role = tl.where(job < n_jobs, role, -1)
     q = tl.where(job < n_a, job, tl.where(job < n_a + n_c, job - n_a, job - n_a - n_c))
     per_tile = tl.where(role == ROLE_RESCALE, R_SPLITS, N_SPLITS)
     return role, q // per_tile, q % per_tile
@@ -656,7 +665,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         n_c = n_a if FRESH else 0
         n_jobs = n_a + n_c + n_tiles * R_SPLITS
         inv_ws = ws_ptr
-        role, tile, part = _epilogue_job(job, n_tiles, N_SPLITS, R_SPLITS)
+        role, tile, part = _epilogue_job(job, n_a, n_c, n_jobs, N_SPLITS, R_SPLITS)
         finisher = False  # a tile's last stage-A arrival takes no end-of-launch ticket (below)
         if role == ROLE_STAGE_A:
             _note_job(trace_ptr, job, ROLE_STAGE_A, TRACE)
@@ -693,8 +702,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             ticket = _arrive(sync + ARRIVE_C)
             _stamp(trace_ptr, EV_ARRIVED, TRACE)
             if ticket == N_SPLITS - 1:
-                total = tl.load(csq_ptrs, mask=rows < T, other=0.0, cache_modifier=".cg")
-                tl.store(inv_ws + tile * TILE_T + tl.arange(0, TILE_T), tl.rsqrt(total / D + NORM_EPS))
+                tl.store(inv_ws + tile * TILE_T + tl.arange(0, TILE_T), _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T)))
                 tl.debug_barrier()
                 tl.store(csq_ptrs, tl.full([TILE_T], 0.0, dtype=tl.float32), mask=rows < T)  # for the next launch
                 tl.atomic_xchg(sync + READY_C, 1, sem="release")
@@ -712,10 +720,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                 # so the rescale need not wait for the tile's merge (coefficients, Sinkhorn)
                 failed = _wait(sync + ARRIVE_A, N_SPLITS, MAX_SPINS)
                 _stamp(trace_ptr, EV_READY, TRACE)
-                rows = tile * TILE_T + tl.arange(0, TILE_T)
-                csq = tl.load(acc_ptr + rows.to(tl.int64) * SLOT + CSQ_COL, mask=rows < T, other=0.0,
-                              cache_modifier=".cg")
-                inv_c = tl.rsqrt(csq / D + NORM_EPS)
+                inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T))
             inv_c = tl.where(failed, float("nan"), inv_c)
             _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin,
                      tl.minimum(b_begin + R_PER_JOB, (D + R_BLOCK - 1) // R_BLOCK), TILE_T, R_BLOCK,

@@ -218,3 +218,10 @@ def build_launch(module, launch, *args, target: GPUTarget = HOPPER, **kwargs) ->
                 num_stages=compiled.metadata.num_stages, shared_bytes=compiled.metadata.shared,
                 registers=registers, stack_bytes=stack, ptx=compiled.asm["ptx"], cubin=compiled.asm["cubin"]))
     return builds
+
+
+def build_kernel(module, launch, *args, target: GPUTarget = HOPPER, **kwargs) -> Build:
+    """The build of the module's own kernel (`module.KERNEL_NAME`) among those `build_launch`
+    compiles: a launcher may run a helper kernel first (Mega-mHC's fn split)."""
+    builds = build_launch(module, launch, *args, target=target, **kwargs)
+    return next(b for b in builds if b.name == module.KERNEL_NAME)

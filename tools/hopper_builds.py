@@ -8,7 +8,9 @@ configuration is compiled ahead of time (`lowering.offline.build_launch`: PTX an
 ptxas in Triton's wheel) and the table gives registers per thread, stack / local bytes (spills),
 shared memory, warps, stages, the programs one SM holds at once (`Build.programs_per_sm`): what
 decides occupancy, known before any GPU time is spent; and the instructions of the kernel's
-largest loop (`Build.loops`: for a Mega-mHC seam, one stage-A chunk). The
+largest loop (`Build.loops`: for a Mega-mHC seam whose stage-A jobs take several chunks, as at
+T >= 64 here, one stage-A chunk; a one-chunk job, as at T = 1, has no chunk loop, and the column
+then shows the next-largest loop). The
 H200's own builds (results/tools/inspect_proxy.json, T = 64, the tuned launch configurations)
 reported 243 registers / 45056 B for the delayed seam, 168 / 43008 B for the first seam, 128 /
 22528 B for the final collapse and 217 / 40960 B for the gate; this builds 246, 168, 130 and 217
@@ -63,9 +65,8 @@ def build_mhc(form: str, T: int, config: mega_mhc.LaunchConfig | None = None) ->
     """The seam kernel of `form` as the H200 would launch it for T tokens (y in bf16: the model's),
     or with `config` instead of the tuned launch configuration."""
     spec = mhc_spec(form)
-    builds = offline.build_launch(mega_mhc, mega_mhc.mega_mhc, *mhc_inputs(spec, T), spec,
-                                  config=config or mega_mhc.choose_config(spec, T, device="cuda"))
-    return next(b for b in builds if b.name == mega_mhc.KERNEL_NAME)  # (presplit_fn: after mega_mhc_split_fn)
+    return offline.build_kernel(mega_mhc, mega_mhc.mega_mhc, *mhc_inputs(spec, T), spec,
+                                config=config or mega_mhc.choose_config(spec, T, device="cuda"))
 
 
 def gate_spec(input_dtype: str) -> mega_gate.GateSpec:
@@ -77,9 +78,8 @@ def build_gate(input_dtype: str, T: int) -> offline.Build:
     """The gate kernel as the H200 would launch it for T tokens of `input_dtype`."""
     spec = gate_spec(input_dtype)
     u = torch.zeros(T, D, dtype=mega_gate.DTYPES[input_dtype])
-    (build,) = offline.build_launch(mega_gate, mega_gate.mega_gate, u, torch.zeros(EXPERTS, D), torch.zeros(EXPERTS),
-                                    spec, config=mega_gate.choose_config(spec, T, device="cuda"))
-    return build
+    return offline.build_kernel(mega_gate, mega_gate.mega_gate, u, torch.zeros(EXPERTS, D), torch.zeros(EXPERTS),
+                                spec, config=mega_gate.choose_config(spec, T, device="cuda"))
 
 
 def main(argv=None) -> int:

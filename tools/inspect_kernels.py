@@ -245,8 +245,7 @@ def _hopper_build(op: str, launcher, args: tuple, kwargs: dict) -> dict:
     spec = next(a for a in (*args, *kwargs.values()) if dataclasses.is_dataclass(a) and hasattr(a, "key"))
     config = module.choose_config(spec, args[0].shape[0], device="cuda")
     try:
-        builds = offline.build_launch(module, launcher, *args, **{**kwargs, "config": config})
-        build = next(b for b in builds if b.name == module.KERNEL_NAME)  # not a helper launched first
+        build = offline.build_kernel(module, launcher, *args, **{**kwargs, "config": config})
     except Exception as e:  # e.g. a Triton without its bundled ptxas: say so; the rest of inspect stands
         return {"note": f"not available: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     return {"target": build.target, "registers": build.registers, "stack_bytes": build.stack_bytes,
