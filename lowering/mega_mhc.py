@@ -108,7 +108,9 @@ partial-sum atomics), rescale done 4.9-5.0, coefficients + Sinkhorn done 5.8 (th
 at T=64 stage A takes 5.6 us (two [16, 64] chunks: one warp's instruction latency with one or two
 programs per SM), then the merge and Sinkhorn 2.7 us after the last arrival; at T=4096 the sweep
 ends at 144-150 us and the merge + rescale tail at 164-169 (the parked collapse is re-read from
-HBM by every tile at once).
+HBM by every tile at once). Within stage A (tools/bench_mhc.py --leave-out, which times the launch
+with each of LEAVE_OUT_PARTS compiled out): the projection dots cost the most at every T (3.1 of
+6.1 us at T=64, 9.4 of 21.8 at T=512, 24 of 145 at T=4096), then fn's loads.
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
 launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
 """
@@ -142,6 +144,15 @@ SYNC_PER_TILE = 4  # arrive A, ready A, arrive C, ready C
 TRACE_TIMES = ("start", "claimed", "ready", "work", "arrived", "finished", "end")
 TRACE_EVENTS = TRACE_TIMES + ("job", "role")
 TRACE_ROLES = ("tiled", "stage A", "collapse", "rescale")
+# A timing diagnostic (`mega_mhc(..., leave_out=...)`, tools/bench_mhc.py --leave-out): stage A with
+# one of its parts compiled out, to place its time by difference (the outputs are then wrong by
+# design: never for use). Part -> bit of the kernel's LEAVE_OUT constexpr.
+LEAVE_OUT_PARTS = {
+    "fn_loads": 1,  # fn's blocks are zeros: no fn reads (nor, without presplit_fn, its split)
+    "dots": 2,  # no projection dots (and so no fn reads either): the coefficients see m = 0
+    "stream_stores": 4,  # X' is computed but not stored
+    "parked_store": 8,  # the collapse is not parked: the rescale reads whatever u held
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,6 +278,12 @@ READY_A = tl.constexpr(1)             #   (fresh) tile published: pre' stored
 ARRIVE_C = tl.constexpr(2)            #   fresh-collapse jobs arrived
 READY_C = tl.constexpr(3)             #   (fresh) 1/rms published
 
+# LEAVE_OUT bits (timing diagnostic only: see LEAVE_OUT_PARTS in megafuse.lowering.mega_mhc)
+LEAVE_FN_LOADS = tl.constexpr(1)
+LEAVE_DOTS = tl.constexpr(2)
+LEAVE_STREAM_STORES = tl.constexpr(4)
+LEAVE_PARKED_STORE = tl.constexpr(8)
+
 # trace rows (TRACE only): per program, %globaltimer ns at these events, plus its job and role
 TRACE_EVENTS = tl.constexpr($TRACE_EVENTS)
 $TRACE_CONSTANTS
@@ -344,7 +361,7 @@ $PROJECT_FUNCTIONS
 
 @triton.jit
 def _load_chunk(x_ptr, y_ptr, fn_ptr, fns_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk, c_end,
-                BLOCK_D: tl.constexpr, PRESPLIT: tl.constexpr):
+                BLOCK_D: tl.constexpr, PRESPLIT: tl.constexpr, LEAVE_OUT: tl.constexpr):
     """The raw inputs of one chunk of D ($LOAD_DOC).
     Past the job's last chunk (chunk >= c_end) everything is masked: nothing is read."""
     d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -359,7 +376,7 @@ def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr
              T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
              tile, c_begin, c_end, TILE_T: tl.constexpr, BLOCK_D: tl.constexpr,
              ATOMIC: tl.constexpr, PIPELINE_STAGES: tl.constexpr, PRESPLIT: tl.constexpr,
-             INTERPRETED: tl.constexpr):
+             LEAVE_OUT: tl.constexpr, INTERPRETED: tl.constexpr):
     """Stage A for token tile `tile` over chunks [c_begin, c_end) of D: store X' (and the parked,
     unnormalised carried collapse), and add the partial sums into the tile's accumulator row
     [TILE_T, SLOT]: the (2+n)n projections, sum X'^2 (SUMSQ_COL), sum c^2 (CSQ_COL); with atomics
@@ -391,18 +408,18 @@ $ACC_INIT
         for chunk in tl.range(c_begin, c_end, num_stages=PIPELINE_STAGES):
             $CUR_NAMES = _load_chunk(
                 x_ptr, y_ptr, fn_ptr, fns_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk, c_end,
-                BLOCK_D, PRESPLIT)
+                BLOCK_D, PRESPLIT, LEAVE_OUT)
 $PIPELINED_BODY
     else:
         # register double-buffering: the next chunk's loads are issued before this one is computed
         $NEXT_NAMES = _load_chunk(
             x_ptr, y_ptr, fn_ptr, fns_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, c_begin, c_end,
-            BLOCK_D, PRESPLIT)
+            BLOCK_D, PRESPLIT, LEAVE_OUT)
         for chunk in range(c_begin, c_end):
             $CUR_NAMES = $NEXT_NAMES
             $NEXT_NAMES = _load_chunk(
                 x_ptr, y_ptr, fn_ptr, fns_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk + 1, c_end,
-                BLOCK_D, PRESPLIT)
+                BLOCK_D, PRESPLIT, LEAVE_OUT)
 $BUFFERED_BODY
     acc = $ACC_SUM
     cols = tl.arange(0, SLOT)[None, :]
@@ -610,7 +627,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                     TILE_T: tl.constexpr, BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr,
                     SPLIT_CHUNKS: tl.constexpr, N_SPLITS: tl.constexpr, R_BLOCK: tl.constexpr,
                     R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
-                    PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr, TRACE: tl.constexpr):
+                    PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr, TRACE: tl.constexpr,
+                    LEAVE_OUT: tl.constexpr):
     """Grid (1-D); D is N_CHUNKS chunks of BLOCK_D, a stage-A job takes SPLIT_CHUNKS of them.
 
     tiled        (N_SPLITS == 1)                 n_tiles programs, job = program id
@@ -623,6 +641,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
     acc_ptr: [n_tiles * TILE_T, SLOT] partial sums (split: persistent, all zero between launches);
     ws_ptr: 1/rms per token [n_tiles * TILE_T] (epilogue-job mode).
     trace_ptr: [programs, TRACE_EVENTS] int64 when TRACE (else unused): EV_* timestamps per program.
+    LEAVE_OUT: 0, or a timing diagnostic's LEAVE_* bits (stage A parts compiled out; wrong outputs).
     """
     _stamp(trace_ptr, EV_START, TRACE)
     if N_SPLITS == 1:
@@ -631,7 +650,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         _note_job(trace_ptr, tile, ROLE_TILED, TRACE)
         _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
-                 tile, 0, N_CHUNKS, TILE_T, BLOCK_D, False, PIPELINE_STAGES, PRESPLIT, INTERPRETED)
+                 tile, 0, N_CHUNKS, TILE_T, BLOCK_D, False, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
         _stamp(trace_ptr, EV_WORK, TRACE)
         _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                        combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
@@ -646,7 +665,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
                  tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D, True,
-                 PIPELINE_STAGES, PRESPLIT, INTERPRETED)
+                 PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
         _stamp(trace_ptr, EV_WORK, TRACE)
         arrive_a = sync_ptr + TILE_SYNC + tile * 4 + ARRIVE_A
         ticket = _arrive(arrive_a)
@@ -674,7 +693,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                      T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
                      tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D,
-                     True, PIPELINE_STAGES, PRESPLIT, INTERPRETED)
+                     True, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
             _stamp(trace_ptr, EV_WORK, TRACE)
             ticket = _arrive(sync + ARRIVE_A)
             _stamp(trace_ptr, EV_ARRIVED, TRACE)
@@ -764,6 +783,7 @@ $POST_LINES
 $F32_LINES
         if HAS_COEFFS:
             sumsq += tl.reduce($SUMSQ_EXPR, 1, _add)
+            if (LEAVE_DOTS & LEAVE_OUT) == 0:
 $PROJECT_LINES
         if not FRESH:
             # hc_pre with the carried pre, rounded like the reference; parked in u until the
@@ -771,7 +791,8 @@ $PROJECT_LINES
             collapsed = _round($COLLAPSE_EXPR, INTERPRETED)
             # evict_last: the rescale reads it back at the tile's end; the streams (loads and X')
             # are evict_first, so at large T the parked collapse is what stays in L2
-            tl.store(u_ptr + rows64[:, None] * D + d[None, :], collapsed, mask=ok, eviction_policy="evict_last")
+            if (LEAVE_PARKED_STORE & LEAVE_OUT) == 0:
+                tl.store(u_ptr + rows64[:, None] * D + d[None, :], collapsed, mask=ok, eviction_policy="evict_last")
             cf = collapsed.to(tl.float32)
             csq += tl.reduce(cf * cf, 1, _add)
 ''')
@@ -979,8 +1000,15 @@ def generate_source(spec: MhcSpec) -> str:
         load.append("fcols = tl.arange(0, SLOT)")
         fn_block = "fcols[None, :].to(tl.int64) * ND + (d + {k} * D)[:, None]"
         load.append("f_ok = ((d < D) & live)[:, None] & (fcols < WIDTH)[None, :]")
+        zeros = "tl.full([BLOCK_D, SLOT], 0.0, dtype=tl.{})"
         if bf16:
-            load.append("if PRESPLIT:  # fn's pieces, split once per launch (mega_mhc_split_fn)")
+            # timing diagnostic (leave_out): zeros of the dtype the load would give, nothing read
+            for branch, dtype in (("if (LEAVE_FN_LOADS & LEAVE_OUT) and PRESPLIT:", "bfloat16"),
+                                  ("elif LEAVE_FN_LOADS & LEAVE_OUT:", "float32")):
+                load.append(branch)
+                for k in streams:
+                    load += [f"    fa_{k} = {zeros.format(dtype)}", f"    fb_{k} = fa_{k}"]
+            load.append("elif PRESPLIT:  # fn's pieces, split once per launch (mega_mhc_split_fn)")
             for k in streams:
                 load.append(f"    fa_{k} = tl.load(fns_ptr + {fn_block.format(k=k)}, mask=f_ok, other=0.0)")
                 load.append(f"    fb_{k} = tl.load(fns_ptr + SLOT * ND + {fn_block.format(k=k)}, mask=f_ok, other=0.0)")
@@ -989,7 +1017,10 @@ def generate_source(spec: MhcSpec) -> str:
                 load.append(f"    fa_{k} = tl.load(fn_ptr + {fn_block.format(k=k)}, mask=f_ok, other=0.0)")
                 load.append(f"    fb_{k} = fa_{k}")
         else:
-            load += [f"w_{k} = tl.load(fn_ptr + {fn_block.format(k=k)}, mask=f_ok, other=0.0)" for k in streams]
+            load.append("if LEAVE_FN_LOADS & LEAVE_OUT:  # timing diagnostic: nothing read")
+            load += [f"    w_{k} = {zeros.format('float32')}" for k in streams]
+            load.append("else:")
+            load += [f"    w_{k} = tl.load(fn_ptr + {fn_block.format(k=k)}, mask=f_ok, other=0.0)" for k in streams]
     load.append("return " + ", ".join(loaded))
     block("LOAD_LINES", 4, load)
     lines["LOAD_DOC"] = ", ".join(
@@ -1009,12 +1040,13 @@ def generate_source(spec: MhcSpec) -> str:
     for j in streams:
         mix = " + ".join(f"comb_{i}_{j}[:, None] * xf_{i}" for i in streams)
         post.append(f"x_{j} = _round(post_{j}[:, None] * yf + ({mix}), INTERPRETED)")
+    post.append("if (LEAVE_STREAM_STORES & LEAVE_OUT) == 0:")
     for j in streams:
-        post.append(f"tl.store(xo_ptr + rows64[:, None] * ND + ({j} * D) + d[None, :], x_{j}, mask=ok, "
+        post.append(f"    tl.store(xo_ptr + rows64[:, None] * ND + ({j} * D) + d[None, :], x_{j}, mask=ok, "
                     f"eviction_policy=\"evict_first\")")
     block("POST_LINES", 12, post)
     block("F32_LINES", 8, [f"xf_{k} = x_{k}.to(tl.float32)" for k in streams])
-    block("PROJECT_LINES", 12,
+    block("PROJECT_LINES", 16,
           [f"acc_{k % 2} = _project(acc_{k % 2}, _opaque(x_{k}, INTERPRETED), {', '.join(pieces[k])}, "
            f"{'PRESPLIT, ' if bf16 else ''}INTERPRETED)" for k in streams])
     block("FRESH_PRE_LINES", 4,
@@ -1127,6 +1159,9 @@ class LaunchConfig:
 # is where the tiled variant reaches one program per SM (128 at T=2048); between 512 and 4096 it
 # is not measured. presplit_fn only applies to bf16 streams with coefficients (choose_config
 # drops it otherwise). Sweep of one run: neighbours within ~3% trade places between runs.
+# Also measured slower at every T (results/bench_mhc_runs/stop10_experiments.json): 64-token tiles
+# (a wgmma projection that reads fn a quarter as often), 32-column presplit rows at three programs
+# per SM.
 SPLIT_MAX_T = 2048
 _CUDA_TABLE = (
     (16, 16, 64, 64, 8, 4, 0, False),
@@ -1345,7 +1380,7 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
 
 def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec, *,
              variant: str | None = None, config: LaunchConfig | None = None, out=None,
-             trace: torch.Tensor | None = None):
+             trace: torch.Tensor | None = None, leave_out: tuple[str, ...] = ()):
     """(X' or None, u, pre' or None, post' or None, comb' or None) of the seam, in one launch.
 
     streams [T, n, D] (stream dtype), y [T, D] (stream dtype or fp32), post [T, n], comb [T, n, n],
@@ -1355,9 +1390,12 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     optionally supplies the five output tensors (None where the spec has no such output; tests and
     benchmarks poison them to prove every element is written). `trace` (CUDA only): an int64
     [programs, len(TRACE_EVENTS)] tensor (`trace_shape`) that a traced build of the kernel fills
-    with per-program event times (see TRACE_EVENTS). Inputs are never modified.
+    with per-program event times (see TRACE_EVENTS). `leave_out` (a timing diagnostic, names from
+    LEAVE_OUT_PARTS) compiles those parts of stage A out: the outputs are then wrong by design.
+    Inputs are never modified.
     """
     validate(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)
+    leave_out_bits = _leave_out_bits(leave_out)
     n, D = spec.n, spec.dim
     T, device = streams.shape[0], streams.device
     sdtype = DTYPES[spec.stream_dtype]
@@ -1421,9 +1459,23 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
         R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], PIPELINE_STAGES=cfg.pipeline_stages,
         PRESPLIT=cfg.presplit_fn, INTERPRETED=interpret,
-        MAX_SPINS=1 << 10 if interpret else 1 << 22, TRACE=trace is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        MAX_SPINS=1 << 10 if interpret else 1 << 22, TRACE=trace is not None, LEAVE_OUT=leave_out_bits,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return tuple(out)
+
+
+def _leave_out_bits(parts) -> int:
+    """The kernel's LEAVE_OUT bits for `parts` (names from LEAVE_OUT_PARTS)."""
+    if isinstance(parts, str):
+        parts = (parts,)
+    unknown = [p for p in parts if p not in LEAVE_OUT_PARTS]
+    if unknown:
+        raise ValueError(f"leave_out: unknown stage-A part(s) {', '.join(map(repr, unknown))}; "
+                         f"valid: {', '.join(LEAVE_OUT_PARTS)}")
+    bits = 0
+    for p in parts:
+        bits |= LEAVE_OUT_PARTS[p]
+    return bits
 
 
 def trace_shape(spec: MhcSpec, n_tokens: int, config: LaunchConfig) -> tuple[int, int]:

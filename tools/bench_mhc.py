@@ -1,6 +1,7 @@
 """H200 benchmark of the fused Mega-mHC kernel (lowering/mega_mhc.py) against plain torch.
 
     python3 -m tools.bench_mhc --out results/bench_mhc.json [--sweep] [--trace] [--dry-run] [--tokens 1,64]
+    python3 -m tools.bench_mhc --leave-out --out results/bench_mhc_leave_out.json [--tokens 64,512,4096]
 
 V4.1-Flash seam: D=5120, n=4, bf16 streams, the delayed form (post + coefficients + carried pre +
 RMSNorm), 20 Sinkhorn iterations, eps 1e-6 / 1e-20; T in {1, 64, 512, 4096}. In one run:
@@ -24,6 +25,10 @@ RMSNorm), 20 Sinkhorn iterations, eps 1e-6 / 1e-20; T in {1, 64, 512, 4096}. In 
    T <= 512; <= 1.6x floor at T = 4096).
 
 `--dry-run` runs the correctness part on CPU through the Triton interpreter at toy sizes.
+`--leave-out` replaces steps 2-4 with a timing diagnostic: per T, the tuned launch as it is and with
+each part of stage A compiled out in turn (`mega_mhc(leave_out=...)`: fn's loads, the projection
+dots, the X' stores, the parked collapse's store), each timed in graph replay and traced; what a
+part costs is the difference (the outputs are wrong by design, so nothing is checked).
 """
 
 from __future__ import annotations
@@ -245,18 +250,18 @@ def run_sweep(T: int, device, log) -> list:
     return rows
 
 
-def trace_T(T: int, device, cfg: LaunchConfig, log, replays: int = 7) -> dict:
+def trace_T(T: int, device, cfg: LaunchConfig, log, replays: int = 7, leave_out: tuple = ()) -> dict:
     """Where one launch's time goes: a CUDA graph of one traced launch (`mega_mhc(trace=...)`) is
     replayed `replays` times; per replay, every program's event times are taken relative to the
     earliest program start, and summarised per role (median and max over programs); the medians of
     those over the replays are reported, in us, with the span (first start to last end)."""
     args = make_inputs(V41, T, device, seed=T + 5)
     trace = torch.zeros(mm.trace_shape(V41, T, cfg), dtype=torch.int64, device=device)
-    mm.mega_mhc(*args, V41, config=cfg, trace=trace)  # compile and warm up outside the capture
+    mm.mega_mhc(*args, V41, config=cfg, trace=trace, leave_out=leave_out)  # compile, warm up: outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        mm.mega_mhc(*args, V41, config=cfg, trace=trace)
+        mm.mega_mhc(*args, V41, config=cfg, trace=trace, leave_out=leave_out)
     rows = []
     for _ in range(replays):
         graph.replay()
@@ -271,6 +276,30 @@ def trace_T(T: int, device, cfg: LaunchConfig, log, replays: int = 7) -> dict:
                           for name in mm.TRACE_TIMES if name in r)
         log(f"    {role:9s} x{r['programs']:<4d} median/max us after first start: {cells}")
     return out
+
+
+def leave_out_T(T: int, device, cfg: LaunchConfig, log) -> list:
+    """Where stage A's time goes, by difference: the launch as tuned, then with each part of stage A
+    compiled out in turn (`mega_mhc(leave_out=...)`: wrong outputs by design, timing only); per
+    variant the CUDA-graph time and the traced timeline (stage A's end, the span)."""
+    args = make_inputs(V41, T, device, seed=T + 17)
+    rows = []
+    for part in (None,) + tuple(mm.LEAVE_OUT_PARTS):
+        left = (part,) if part else ()
+        us = time_graph_us(lambda: mm.mega_mhc(*args, V41, config=cfg, leave_out=left), rep=40)
+        trace = trace_T(T, device, cfg, lambda msg: None, leave_out=left)
+        stage_a = trace["roles"].get("stage A") or trace["roles"].get("tiled")
+        row = {"left_out": part, "graph_us": us, "span_us": trace["span_us"],
+               "stage_a_work_us": stage_a["work"], "roles": trace["roles"]}
+        if rows:
+            row["graph_saved_us"] = rows[0]["graph_us"] - us
+            row["stage_a_saved_us"] = rows[0]["stage_a_work_us"]["median_us"] - stage_a["work"]["median_us"]
+        rows.append(row)
+        log(f"  T={T:5d} {'(nothing left out)' if part is None else 'without ' + part:24s} graph {us:8.2f} us, "
+            f"span {trace['span_us']:8.2f}, stage A done {stage_a['work']['median_us']:8.2f}/"
+            f"{stage_a['work']['max_us']:.2f} (median/max)"
+            + (f", saves {row['graph_saved_us']:+.2f} us (stage A {row['stage_a_saved_us']:+.2f})" if part else ""))
+    return rows
 
 
 def summarise_traces(rows: list) -> dict:
@@ -366,7 +395,12 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--trace", action="store_true",
                     help="also record where each T's launch spends its time (per-program event times)")
+    ap.add_argument("--leave-out", action="store_true",
+                    help="instead of the benchmark: time each T's launch with each part of stage A compiled "
+                         f"out in turn ({', '.join(mm.LEAVE_OUT_PARTS)}; timing only, wrong outputs)")
     args = ap.parse_args(argv)
+    if args.leave_out and (args.dry_run or args.sweep):
+        ap.error("--leave-out times the tuned launch on CUDA: not with --dry-run or --sweep")
     tokens = [int(t) for t in args.tokens.split(",")]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     log_file = open(os.path.splitext(args.out)[0] + ".log", "w")
@@ -396,8 +430,17 @@ def main(argv=None) -> int:
             f"sync state nonzero {res['sync_state_nonzero']}")
         return 1 if bad else 0
 
-    stage("graph_replay", lambda: graph_replay_check(device, log))
     configs = {T: mm.choose_config(V41, T, device=device) for T in tokens}
+    if args.leave_out:
+        res["leave_out"] = {}
+        for T in tokens:
+            log(f"T={T}: {configs[T]}")
+            stage(f"leave_out_T{T}", lambda T=T: leave_out_T(T, device, configs[T], log))
+            res["leave_out"][T] = {"config": dataclasses.asdict(configs[T]), "rows": res.pop(f"leave_out_T{T}", None)}
+        res["sync_state_nonzero"] = sync_state_clean()
+        save()
+        return 0
+    stage("graph_replay", lambda: graph_replay_check(device, log))
     if args.sweep:
         res["sweep"] = {}
         for T in tokens:

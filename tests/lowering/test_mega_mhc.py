@@ -291,3 +291,33 @@ def test_trace_is_cuda_only_and_checked():
     trace = torch.zeros(mm.trace_shape(spec, 37, cfg), dtype=torch.int64)
     with pytest.raises(ValueError, match="trace needs a CUDA device"):
         mega_mhc(*make_inputs(spec, 37, seed=1), spec, config=cfg, trace=trace)
+
+
+# leave_out (a timing diagnostic: tools/bench_mhc.py --leave-out) compiles one part of stage A
+# out; the outputs are then wrong in exactly the way that part predicts, and only there
+@pytest.mark.parametrize("how", ["tiled", LaunchConfig(16, 32, 64, r_splits=2)])
+@pytest.mark.parametrize("part", list(mm.LEAVE_OUT_PARTS))
+def test_leave_out_removes_exactly_its_part(part, how):
+    spec, T = make_spec("delayed"), 21
+    args = make_inputs(spec, T, seed=4)
+    kw = {"variant": how} if isinstance(how, str) else {"config": how}
+    got = dict(zip(("streams", "u", "pre", "post", "comb"),
+                   mega_mhc(*args, spec, out=poisoned(spec, T), leave_out=(part,), **kw)))
+    want = dict(zip(("streams", "u", "pre", "post", "comb"), reference(*args, spec)))
+    if part in ("fn_loads", "dots"):  # the coefficients of a zero projection (m = 0)
+        no_fn = list(args)
+        no_fn[5] = torch.zeros_like(args[5])
+        zero_m = reference(*no_fn, spec)
+        want.update(pre=zero_m[2], post=zero_m[3], comb=zero_m[4])
+        assert rel(got["pre"], reference(*args, spec)[2]) > 1e-3  # which the real ones are not
+    for name, value in got.items():
+        if (part, name) in (("stream_stores", "streams"), ("parked_store", "u")):
+            assert torch.isnan(value).all(), f"{name} was written with {part} left out"
+        else:
+            assert rel(value, want[name]) <= 1e-5, name
+
+
+def test_leave_out_names_the_valid_parts():
+    spec = make_spec()
+    with pytest.raises(ValueError, match="'loads'.*valid: fn_loads, dots, stream_stores, parked_store"):
+        mega_mhc(*make_inputs(spec, 3, seed=1), spec, leave_out=("loads",))

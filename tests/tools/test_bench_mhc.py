@@ -1,8 +1,11 @@
-"""tools/bench_mhc.py's trace summary (the GPU fills the traces; here they are built by hand)."""
+"""tools/bench_mhc.py's trace summary (the GPU fills the traces; here they are built by hand) and its
+command line."""
 
+import pytest
 import torch
 
 from lowering import mega_mhc as mm
+from tools.bench_mhc import main as bench_main
 from tools.bench_mhc import summarise_traces
 
 
@@ -33,3 +36,10 @@ def test_summary_is_relative_to_the_first_start_per_role_and_median_over_launche
     assert stage_a["finished"] == {"n": 1, "median_us": 6.0, "max_us": 6.0}  # only the last arrival merges
     assert "ready" not in stage_a and "finished" not in rescale  # events a role never reaches are absent
     assert rescale["ready"]["median_us"] == 6.2 and rescale["end"]["max_us"] == 9.0
+
+
+@pytest.mark.parametrize("other", ["--dry-run", "--sweep"])
+def test_leave_out_is_its_own_mode(other, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_main(["--leave-out", other])
+    assert e.value.code == 2 and "--leave-out times the tuned launch on CUDA" in capsys.readouterr().err
