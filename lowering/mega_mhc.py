@@ -279,10 +279,7 @@ ARRIVE_C = tl.constexpr(2)            #   fresh-collapse jobs arrived
 READY_C = tl.constexpr(3)             #   (fresh) 1/rms published
 
 # LEAVE_OUT bits (timing diagnostic only: see LEAVE_OUT_PARTS in megafuse.lowering.mega_mhc)
-LEAVE_FN_LOADS = tl.constexpr(1)
-LEAVE_DOTS = tl.constexpr(2)
-LEAVE_STREAM_STORES = tl.constexpr(4)
-LEAVE_PARKED_STORE = tl.constexpr(8)
+$LEAVE_CONSTANTS
 
 # trace rows (TRACE only): per program, %globaltimer ns at these events, plus its job and role
 TRACE_EVENTS = tl.constexpr($TRACE_EVENTS)
@@ -1061,6 +1058,8 @@ def generate_source(spec: MhcSpec) -> str:
     block("GATE_LINES", 8, _gate_lines(spec))
     block("COMB_LINES", 8, _comb_lines(spec))
     lines["TRACE_EVENTS"] = len(TRACE_EVENTS)
+    lines["LEAVE_CONSTANTS"] = "\n".join(f"LEAVE_{part.upper()} = tl.constexpr({bit})"
+                                         for part, bit in LEAVE_OUT_PARTS.items())
     lines["TRACE_CONSTANTS"] = "\n".join(
         [f"EV_{name.upper()} = tl.constexpr({i})" for i, name in enumerate(TRACE_EVENTS)]
         + [f"ROLE_{name.upper().replace(' ', '_')} = tl.constexpr({i})" for i, name in enumerate(TRACE_ROLES)])
