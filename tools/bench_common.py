@@ -10,6 +10,13 @@ import traceback
 import torch
 
 
+def require_cuda(parser, dry_run: bool) -> None:
+    """A usage error (exit 2) when a GPU run is asked for where there is no CUDA device."""
+    if not dry_run and not torch.cuda.is_available():
+        parser.error("this benchmark times CUDA launches and this machine has no CUDA device; "
+                     "--dry-run runs its correctness part on CPU through the Triton interpreter")
+
+
 def time_graph_us(fn, rep: int = 60) -> float:
     """Median of CUDA-graph replays (launch overhead removed), in microseconds."""
     from triton.testing import do_bench_cudagraph

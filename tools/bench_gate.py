@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tools.bench_common import Stages, time_cold_l2_us, time_eager_us, time_graph_us
+from tools.bench_common import Stages, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
 from lowering import mega_gate as mg
 from lowering.mega_gate import GateSpec, LaunchConfig
 from model.moe import route, score
@@ -330,6 +330,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check-only", action="store_true", help="CUDA correctness, ties, graph replay; no timings")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     args = ap.parse_args(argv)
+    require_cuda(ap, args.dry_run)
     tokens = [int(t) for t in args.tokens.split(",")]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     log_path = os.path.splitext(args.out)[0] + ".log"

@@ -43,7 +43,7 @@ import time
 import torch
 import triton
 
-from tools.bench_common import Stages, time_cold_l2_us, time_eager_us, time_graph_us
+from tools.bench_common import Stages, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
 from tools.common import median
 from lowering import mega_mhc as mm
 from lowering.mega_mhc import LaunchConfig, MhcSpec
@@ -401,6 +401,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.leave_out and (args.dry_run or args.sweep):
         ap.error("--leave-out times the tuned launch on CUDA: not with --dry-run or --sweep")
+    require_cuda(ap, args.dry_run)
     tokens = [int(t) for t in args.tokens.split(",")]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     log_file = open(os.path.splitext(args.out)[0] + ".log", "w")
