@@ -40,9 +40,11 @@ organised around moving those bytes once:
   per token tile, not per token. `LaunchConfig.pipeline_stages` instead leaves the loads in a
   `tl.range` loop that Triton pipelines through shared memory, so more chunks are in flight and
   fewer registers are used (T >= 512). fn is fp32 and X' bf16, so the dot runs on fn's two bf16
-  pieces (hi + lo): each tile splits its block of fn, or, with `LaunchConfig.presplit_fn` (large
-  T), a first small launch splits fn once and the tiles load the pieces (~30% fewer instructions
-  per chunk on sm_90).
+  pieces (hi + lo): each tile splits its block of fn, or, with `LaunchConfig.presplit_fn`, a
+  first small launch splits fn once and the tiles load the pieces (~28% fewer instructions per
+  chunk on sm_90; no tuned row uses it since the paired conversions of _round / _widen: the
+  second launch costs about what it saves). Values are rounded and widened in pairs (_round,
+  _widen): ~10-14% fewer instructions per chunk than Triton's one-at-a-time conversions.
 * The coefficients need the whole row: the tile's partial sums ((2+n)n projections, sum X'^2,
   sum c^2) meet in one fp32 accumulator row per token (plain stores when one job covers D, fp32
   atomics when D is split). The program that completes the tile reads them as [TILE_T] vectors and
@@ -100,15 +102,15 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json): CUDA-graph replay 6.6 / 11.5 / 28.6 / 170 us at
-T = 1 / 64 / 512 / 4096 against 60 / 95 / 303 / 1780 us for the same chain under torch.compile.
+Measured (H200, results/bench_mhc.json): CUDA-graph replay 6.3 / 10.5 / 26.9 / 172 us at
+T = 1 / 64 / 512 / 4096 against 60 / 98 / 303 / 1784 us for the same chain under torch.compile.
 Where the time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the first start):
-at T=1, job claim 0.4 us, stage A done 2.5, arrived 3.6-3.7 (the release fence waits for the
-partial-sum atomics), rescale done 4.9-5.0, coefficients + Sinkhorn done 5.8 (the last program);
-at T=64 stage A takes 5.6 us (two [16, 64] chunks: one warp's instruction latency with one or two
+at T=1, job claim 0.5 us, stage A done 1.9-2.4, arrived 3.0-3.7 (the release fence waits for the
+partial-sum atomics), rescale done 4.4-4.6, coefficients + Sinkhorn done 5.9 (the last program);
+at T=64 stage A takes 5.2 us (two [16, 64] chunks: one warp's instruction latency with one or two
 programs per SM), then the merge and Sinkhorn 2.7 us after the last arrival; at T=4096 the sweep
-ends at 144-150 us and the merge + rescale tail at 164-169 (the parked collapse is re-read from
-HBM by every tile at once). Within stage A (tools/bench_mhc.py --leave-out, which times the launch
+ends at 146-154 us and the rescale tail at 167-174 (the parked collapse is re-read from HBM by
+every tile at once). Within stage A (tools/bench_mhc.py --leave-out, which times the launch
 with each of LEAVE_OUT_PARTS compiled out): the projection dots cost the most at every T (3.1 of
 6.1 us at T=64, 9.4 of 21.8 at T=512, 24 of 145 at T=4096), then fn's loads.
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
@@ -330,10 +332,28 @@ def _round(x, INTERPRETED: tl.constexpr):
             bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536  # RNE onto the top 16 bits
             rounded = bits.to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact now
         else:
-            rounded = x.to(tl.bfloat16)  # cvt.rn
+            # two elements per cvt.rn.bf16x2 (the first in the low half, as Triton packs them),
+            # where .to() converts one at a time and then packs the pair again for the store
+            rounded = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $$0, $$2, $$1;", "=r,r,r", [x],
+                                                dtype=tl.bfloat16, is_pure=True, pack=2)
     else:
         rounded = x
     return rounded
+
+
+@triton.jit
+def _widen(x, INTERPRETED: tl.constexpr):
+    """x (bf16 or fp32) as fp32. On the GPU a bf16 pair in one register widens in two
+    instructions (the low half shifted up, the high half masked), where .to() first moves the
+    high half down and then shifts it back up. With _round's paired conversion: 58-125 fewer
+    instructions per stage-A chunk (886 -> 761 at T=64, 905 -> 786 at T=512, 630 -> 572 at
+    T=4096) and 36-56 fewer registers in the tuned sm_90 builds (tools.hopper_builds)."""
+    if x.dtype == tl.bfloat16 and not INTERPRETED:
+        wide = tl.inline_asm_elementwise("{ shl.b32 $$0, $$2, 16; and.b32 $$1, $$2, 0xFFFF0000; }", "=r,=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        wide = x.to(tl.float32)
+    return wide
 
 
 @triton.jit
@@ -508,7 +528,7 @@ $FRESH_X_LINES
 $F32_LINES
         collapsed = _round($COLLAPSE_EXPR, INTERPRETED)
         tl.store(u_ptr + rows64[:, None] * D + d[None, :], collapsed, mask=ok)
-        cf = collapsed.to(tl.float32)
+        cf = _widen(collapsed, INTERPRETED)
         csq += tl.reduce(cf * cf, 1, _add)
     return csq
 
@@ -541,7 +561,7 @@ def _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin, b_end, TILE_T: tl.constexpr,
         collapsed, w = next_c, next_w
         next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b + 1, b_end, R_BLOCK)
         d = b * R_BLOCK + tl.arange(0, R_BLOCK)
-        u = _round(collapsed.to(tl.float32) * inv_c[:, None] * w[None, :], INTERPRETED)
+        u = _round(_widen(collapsed, INTERPRETED) * inv_c[:, None] * w[None, :], INTERPRETED)
         tl.store(u_ptr + rows64[:, None] * D + d[None, :], u, mask=row_ok[:, None] & (d < D)[None, :])
 
 
@@ -790,7 +810,7 @@ $PROJECT_LINES
             # are evict_first, so at large T the parked collapse is what stays in L2
             if (LEAVE_PARKED_STORE & LEAVE_OUT) == 0:
                 tl.store(u_ptr + rows64[:, None] * D + d[None, :], collapsed, mask=ok, eviction_policy="evict_last")
-            cf = collapsed.to(tl.float32)
+            cf = _widen(collapsed, INTERPRETED)
             csq += tl.reduce(cf * cf, 1, _add)
 ''')
 
@@ -803,7 +823,7 @@ def _split(w, INTERPRETED: tl.constexpr):
     relative error <= 2^-16; the residual w - hi is exact in fp32 before it is rounded). Both are
     rounded to nearest even in both modes (_round), so the interpreter's pieces are the GPU's."""
     hi = _round(w, INTERPRETED)
-    lo = _round(w - hi.to(tl.float32), INTERPRETED)
+    lo = _round(w - _widen(hi, INTERPRETED), INTERPRETED)
     return hi, lo
 
 
@@ -1031,7 +1051,7 @@ def generate_source(spec: MhcSpec) -> str:
              for i in streams for j in streams])
     block("PRE_LOADS", 8,
           [f"pre_{k} = tl.load(cpre_ptr + rows64 * stride_cpre + {k}, mask=row_ok, other=0.0)" for k in streams])
-    post = ["yf = y.to(tl.float32)"] + [f"xf_{i} = x_{i}.to(tl.float32)" for i in streams]
+    post = ["yf = _widen(y, INTERPRETED)"] + [f"xf_{i} = _widen(x_{i}, INTERPRETED)" for i in streams]
     post.append("# mHC post: X'[j] = post[j] * y + sum_i comb[i, j] X[i] (C^T X: the sum runs over comb's")
     post.append("# first index), in fp32, rounded to the stream dtype and stored")
     for j in streams:
@@ -1042,7 +1062,7 @@ def generate_source(spec: MhcSpec) -> str:
         post.append(f"    tl.store(xo_ptr + rows64[:, None] * ND + ({j} * D) + d[None, :], x_{j}, mask=ok, "
                     f"eviction_policy=\"evict_first\")")
     block("POST_LINES", 12, post)
-    block("F32_LINES", 8, [f"xf_{k} = x_{k}.to(tl.float32)" for k in streams])
+    block("F32_LINES", 8, [f"xf_{k} = _widen(x_{k}, INTERPRETED)" for k in streams])
     block("PROJECT_LINES", 16,
           [f"acc_{k % 2} = _project(acc_{k % 2}, _opaque(x_{k}, INTERPRETED), {', '.join(pieces[k])}, "
            f"{'PRESPLIT, ' if bf16 else ''}INTERPRETED)" for k in streams])
@@ -1117,8 +1137,9 @@ class LaunchConfig:
     r_splits     split variant: rescale jobs per token tile; 0 = the tile's last arrival rescales
     pipeline_stages  0: stage A double-buffers one chunk ahead in registers; k >= 2: the chunk
                  loads sit in a `tl.range(num_stages=k)` loop and Triton's pipeliner keeps k - 1
-                 chunks in flight through shared memory (cp.async): on sm_90 ~210 registers
-                 instead of ~244 and 44 KB of shared memory per stage (tools.hopper_builds); the
+                 chunks in flight through shared memory (cp.async): on sm_90 fewer registers
+                 (T=64: 212 instead of 255) and 44 KB of shared memory per stage
+                 (tools.hopper_builds); the
                  tuned rows use k = 2 at T=64 and k = 3 from T=512 up
     presplit_fn  bf16 streams with coefficients: a first launch splits fn into its bf16 pieces
                  once (mega_mhc_split_fn), and stage A loads those instead of splitting its fp32
@@ -1141,33 +1162,36 @@ class LaunchConfig:
 # CUDA launch table: the fastest correct configuration of tools/bench_mhc.py --sweep on one H200
 # (D=5120, n=4, bf16 streams, delayed seam, CUDA-graph replay; results/bench_mhc.json "sweep").
 # Rows: (max T, tile_t, block_d, split_cols, r_splits, warps, pipeline_stages, presplit_fn).
-#   T=1    80 one-chunk stage-A jobs + 5 rescale jobs      6.65 us (160 32-column jobs 6.79, the same
-#                                                                  with 2 warps 6.83)
-#   T=64   4 tiles x 40 slices + 10 rescale jobs a tile,  11.9 us (not pipelined 12.1, one-chunk jobs
-#          stage A pipelined 2 deep                              12.1, presplit fn 13.2)
-#   T=512  32 tiles x 8 slices + 5 rescale jobs a tile,   28.7 us (presplit fn 28.8, 10 slices of 32-
-#          stage A pipelined 3 deep                              column chunks 33.4, 32-token tiles 33.5)
+#   T=1    80 one-chunk stage-A jobs + 5 rescale jobs      6.56 us (160 32-column jobs 6.46, the same
+#                                                                  with 2 warps 6.57: within noise)
+#   T=64   4 tiles x 40 slices + 10 rescale jobs a tile,  10.7 us (not pipelined 11.7, one-chunk jobs
+#          stage A pipelined 2 deep                              12.0, presplit fn 12.8)
+#   T=512  32 tiles x 8 slices + 5 rescale jobs a tile,   27.0 us (4 rescale jobs a tile 27.3, presplit
+#          stage A pipelined 3 deep                              fn 28.7, 12 chunks a slice 29.2, 10
+#                                                                slices of 32-column chunks 31.9)
 #          (256 stage-A jobs: at most two per SM; 10 slices left 56 SMs with three and 76 with two)
 # Above SPLIT_MAX_T the tiled variant: one 16-token tile per program (256 programs at T=4096),
-# stage A pipelined 3 deep, fn split once per launch: 169.8 us (not presplit 178.2, pipelined 2
-# deep 216.3, split in two with rescale jobs 174.3, split in two finished by the last arrival
-# 186.7; earlier runs: 32-token tiles 243.5). 16-token tiles win everywhere: with ~170-255
-# registers a thread, two or three 4-warp programs share an SM, and more, smaller programs hide
-# the sweep's memory latency better than larger tiles amortise fn; 64-column chunks (128 B of a
-# bf16 row) beat 32-column ones wherever registers allow two programs per SM. The threshold 2048
-# is where the tiled variant reaches one program per SM (128 at T=2048); between 512 and 4096 it
-# is not measured. presplit_fn only applies to bf16 streams with coefficients (choose_config
-# drops it otherwise). Sweep of one run: neighbours within ~3% trade places between runs.
-# Also measured slower at every T (results/bench_mhc_runs/stop10_experiments.json): 64-token tiles
-# (a wgmma projection that reads fn a quarter as often), 32-column presplit rows at three programs
-# per SM.
+# stage A pipelined 3 deep: 171.6 us (fn split once per launch first 171.8, and 2 deep 209.4; split
+# in two with rescale jobs 173.3, split in two finished by the last arrival 187.0; earlier runs:
+# 32-token tiles 243.5). (Before _round / _widen converted values in pairs, fn split once per launch
+# won there: 169.8 against 178.2; the pairs took the split's share of stage A down with the rest.)
+# 16-token tiles win everywhere: two or three 4-warp programs share an SM, and more, smaller
+# programs hide the sweep's memory latency better than larger tiles amortise fn; 64-column chunks
+# (128 B of a bf16 row) beat 32-column ones wherever registers allow two programs per SM. The
+# threshold 2048 is where the tiled variant reaches one program per SM (128 at T=2048); between
+# 512 and 4096 it is not measured. presplit_fn only applies to bf16 streams with coefficients
+# (choose_config drops it otherwise). Sweep of one run: neighbours within ~3% trade places between
+# runs. Also measured slower at every T (results/bench_mhc_runs/stop10_experiments.json,
+# stop11_experiments.json): 64-token tiles (a wgmma projection that reads fn a quarter as often),
+# 32-column presplit rows at three programs per SM, rescale jobs claimed a few tiles after their
+# tile's stage A (so that they read a parked collapse still in L2), one accumulator per stream.
 SPLIT_MAX_T = 2048
 _CUDA_TABLE = (
     (16, 16, 64, 64, 8, 4, 0, False),
     (128, 16, 64, 128, 32, 4, 2, False),
     (SPLIT_MAX_T, 16, 64, 640, 8, 4, 3, False),
 )
-_CUDA_TILED = (16, 64, 4, 3, True)  # tile_t, block_d, warps, pipeline_stages, presplit_fn above SPLIT_MAX_T
+_CUDA_TILED = (16, 64, 4, 3, False)  # tile_t, block_d, warps, pipeline_stages, presplit_fn above SPLIT_MAX_T
 
 
 def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = "cuda",

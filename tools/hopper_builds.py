@@ -11,10 +11,11 @@ decides occupancy, known before any GPU time is spent; and the instructions of t
 largest loop (`Build.loops`: for a Mega-mHC seam whose stage-A jobs take several chunks, as at
 T >= 64 here, one stage-A chunk; a one-chunk job, as at T = 1, has no chunk loop, and the column
 then shows the next-largest loop). The
-H200's own builds (results/tools/inspect_proxy.json, T = 64, the tuned launch configurations)
-reported 243 registers / 45056 B for the delayed seam, 168 / 43008 B for the first seam, 128 /
-22528 B for the final collapse and 217 / 40960 B for the gate; this builds 246, 168, 130 and 217
-registers with the same shared memory (Triton 3.6 there, this machine's Triton here). A launch
+H200's own builds (results/tools/inspect_proxy.json, T = 64, the tuned launch configurations,
+before Mega-mHC converted bf16 in pairs) reported 243 registers / 45056 B for the delayed seam,
+168 / 43008 B for the first seam, 128 / 22528 B for the final collapse and 217 / 40960 B for the
+gate, where this built 246, 168, 130 and 217 registers with the same shared memory (Triton 3.6
+there, this machine's Triton here); it now builds 212, 166, 130 and 217. A launch
 that first runs a helper kernel (Mega-mHC's `presplit_fn`) is listed by its seam kernel. A build,
 not a measurement: no timings.
 """

@@ -87,24 +87,42 @@ def test_a_pipelined_stage_a_builds_with_async_copies_and_fewer_registers(T):
 
 def test_presplit_fn_launches_the_split_kernel_first_and_drops_the_split_from_stage_a():
     # LaunchConfig.presplit_fn: fn's bf16 pieces come from one small kernel per launch, so the seam
-    # kernel no longer converts fn to bf16 (cvt.rn.bf16.f32 in PTX) in every chunk of every tile
+    # kernel no longer converts fn to bf16 (cvt.rn.bf16x2.f32 in PTX) in every chunk of every tile
     spec = hopper_builds.mhc_spec("delayed")
     tuned = mega_mhc.choose_config(spec, 4096, device="cuda")
-    assert tuned.presplit_fn and tuned.pipeline_stages == 3  # the T=4096 row
+    assert not tuned.presplit_fn and tuned.pipeline_stages == 3  # the T=4096 row: a tie since the paired conversions
+    presplit = dataclasses.replace(tuned, presplit_fn=True)
     split, seam = offline.build_launch(mega_mhc, mega_mhc.mega_mhc, *hopper_builds.mhc_inputs(spec, 4096), spec,
-                                       config=tuned)
-    inline = hopper_builds.build_mhc("delayed", 4096, config=dataclasses.replace(tuned, presplit_fn=False))
+                                       config=presplit)
+    inline = hopper_builds.build_mhc("delayed", 4096, config=tuned)
     assert split.name == mega_mhc.SPLIT_FN_KERNEL and split.grid == (20, 24)  # 20480 / 1024 columns x 24 rows
     _check(split)
     _check(seam)
     converts = lambda b: len(re.findall(r"cvt\.rn\.bf16(x2)?\.f32", b.ptx))
     assert converts(split) > 0 and converts(seam) < converts(inline) // 2
     assert seam.registers < inline.registers
-    # one stage-A chunk (the largest loop: the one with the tensor-core dots) costs 20% fewer
-    # instructions (sm_90: ~650 instead of ~910)
+    # one stage-A chunk (the largest loop: the one with the tensor-core dots) costs over 20% fewer
+    # instructions (sm_90: ~570 instead of ~790)
     chunk, inline_chunk = seam.loops()[0], inline.loops()[0]
     assert chunk.opcodes["HMMA"] > 0 and inline_chunk.opcodes["HMMA"] > 0
     assert chunk.instructions < 0.8 * inline_chunk.instructions
+
+
+@pytest.mark.parametrize("form", ["delayed", "fresh"])
+def test_stage_a_converts_bf16_in_pairs(form):
+    # _round: two fp32 values per cvt.rn.bf16x2.f32, never one at a time (cvt.rn.bf16.f32); _widen:
+    # a bf16 pair widened by one shl and one and (no prmt moving the high half down first). On the
+    # T=512 row's sm_90 build that is ~790 instructions per stage-A chunk instead of ~905, and 188
+    # registers instead of 244 (results/bench_mhc_runs/stop11_experiments.json)
+    build = hopper_builds.build_mhc(form, 512)
+    _check(build)
+    assert len(re.findall(r"cvt\.rn\.bf16x2\.f32", build.ptx)) > 0
+    assert re.search(r"cvt\.rn\.bf16\.f32", build.ptx) is None
+    assert re.search(r"and\.b32 %r\d+, %r\d+, 0xFFFF0000;", build.ptx)  # _widen's high half
+    chunk = build.loops()[0]
+    assert chunk.opcodes["HMMA"] > 0 and chunk.instructions < 850
+    if form == "delayed":
+        assert build.registers < 200
 
 
 def test_sass_loops_are_the_bodies_of_backward_branches_largest_first():
