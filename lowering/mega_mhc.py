@@ -54,8 +54,9 @@ organised around moving those bytes once:
   publishes pre' before Sinkhorn, which then overlaps the collapse jobs' work.
 * The norm's statistic needs the whole row too, so a second, short sweep rescales the parked
   collapse in place: u = c * rsqrt(mean(c^2) + eps) * w (reads and writes 2D bytes per token:
-  from L2 at small T; at T=4096 the parked 42 MB have left L2, and the rescale is the last ~14%
-  of the launch), in [TILE_T, 8192 / TILE_T] blocks.
+  from L2 at small T; at T=4096 most of the parked 42 MB have left L2, and the rescale is the last
+  ~9% of the launch, with its loads pipelined: `LaunchConfig.rescale_stages`), in
+  [TILE_T, 8192 / TILE_T] blocks.
 * "fresh" pre: the collapse needs pre', known only after the whole row, so it is a second sweep
   over X' (re-reading 8D per token: the documented cost of V4's non-delayed form), then the rescale.
 
@@ -102,15 +103,15 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json): CUDA-graph replay 6.3 / 10.5 / 26.9 / 172 us at
-T = 1 / 64 / 512 / 4096 against 60 / 98 / 303 / 1784 us for the same chain under torch.compile.
+Measured (H200, results/bench_mhc.json): CUDA-graph replay 6.2 / 10.4 / 27.1 / 166 us at
+T = 1 / 64 / 512 / 4096 against 58 / 101 / 303 / 1785 us for the same chain under torch.compile.
 Where the time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the first start):
 at T=1, job claim 0.5 us, stage A done 1.9-2.4, arrived 3.0-3.7 (the release fence waits for the
-partial-sum atomics), rescale done 4.4-4.6, coefficients + Sinkhorn done 5.9 (the last program);
-at T=64 stage A takes 5.2 us (two [16, 64] chunks: one warp's instruction latency with one or two
-programs per SM), then the merge and Sinkhorn 2.7 us after the last arrival; at T=4096 the sweep
-ends at 146-154 us and the rescale tail at 167-174 (the parked collapse is re-read from HBM by
-every tile at once). Within stage A (tools/bench_mhc.py --leave-out, which times the launch
+partial-sum atomics), rescale done 4.5-4.8, coefficients + Sinkhorn done 5.5 (the last program;
+Sinkhorn's rounds are ~1.4 us of it); at T=64 stage A takes 5.2 us (two [16, 64] chunks: one
+warp's instruction latency with one or two programs per SM), then the merge and Sinkhorn 2.9 us
+after the last arrival; at T=4096 the sweep ends at 138-148 us and the rescale tail at 156-162 (the
+parked collapse is re-read, much of it from HBM, by every tile at once). Within stage A (tools/bench_mhc.py --leave-out, which times the launch
 with each of LEAVE_OUT_PARTS compiled out): the projection dots cost the most at every T (3.1 of
 6.1 us at T=64, 9.4 of 21.8 at T=512, 24 of 145 at T=4096), then fn's loads.
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
@@ -546,30 +547,43 @@ def _parked_block(u_ptr, w_ptr, rows64, row_ok, b, b_end, R_BLOCK: tl.constexpr)
 
 @triton.jit
 def _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin, b_end, TILE_T: tl.constexpr,
-             R_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+             R_BLOCK: tl.constexpr, RESCALE_STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     """u = (c * 1/rms) * norm_weight, in place on the parked collapse, over column blocks
-    [b_begin, b_end) of R_BLOCK (wider than the sweep's chunks: this loop only streams). The next
-    block is loaded before this one is stored: a load placed after a store waits for it, so
-    without the prefetch the blocks' round trips follow one another. (At T=4096 it did not shorten
-    the tiled variant's tail on the H200: there every tile rescales at once and the tail is
-    bound by HBM bandwidth, not by this chain; nor did reading the newest-parked blocks first.)"""
+    [b_begin, b_end) of R_BLOCK (wider than the sweep's chunks: this loop only streams).
+    RESCALE_STAGES == 0: the next block is loaded before this one is stored (a load placed after a
+    store waits for it, so without the prefetch the blocks' round trips follow one another): two
+    blocks in flight. RESCALE_STAGES = k >= 2: the loads sit in a `tl.range` loop that Triton
+    pipelines through shared memory (cp.async), k - 1 blocks ahead; the blocks never overlap, so
+    issuing later blocks' loads before this block's store is safe."""
     rows = tile * TILE_T + tl.arange(0, TILE_T)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
-    next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b_begin, b_end, R_BLOCK)
-    for b in range(b_begin, b_end):
-        collapsed, w = next_c, next_w
-        next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b + 1, b_end, R_BLOCK)
-        d = b * R_BLOCK + tl.arange(0, R_BLOCK)
-        u = _round(_widen(collapsed, INTERPRETED) * inv_c[:, None] * w[None, :], INTERPRETED)
-        tl.store(u_ptr + rows64[:, None] * D + d[None, :], u, mask=row_ok[:, None] & (d < D)[None, :])
+    if RESCALE_STAGES > 0:
+        for b in tl.range(b_begin, b_end, num_stages=RESCALE_STAGES):
+            collapsed, w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b, b_end, R_BLOCK)
+            _store_rescaled(u_ptr, collapsed, w, inv_c, rows64, row_ok, b, R_BLOCK, INTERPRETED)
+    else:
+        next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b_begin, b_end, R_BLOCK)
+        for b in range(b_begin, b_end):
+            collapsed, w = next_c, next_w
+            next_c, next_w = _parked_block(u_ptr, w_ptr, rows64, row_ok, b + 1, b_end, R_BLOCK)
+            _store_rescaled(u_ptr, collapsed, w, inv_c, rows64, row_ok, b, R_BLOCK, INTERPRETED)
+
+
+@triton.jit
+def _store_rescaled(u_ptr, collapsed, w, inv_c, rows64, row_ok, b, R_BLOCK: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
+    """Column block b of u = (c * 1/rms) * norm_weight, rounded, over the parked collapse."""
+    d = b * R_BLOCK + tl.arange(0, R_BLOCK)
+    u = _round(_widen(collapsed, INTERPRETED) * inv_c[:, None] * w[None, :], INTERPRETED)
+    tl.store(u_ptr + rows64[:, None] * D + d[None, :], u, mask=row_ok[:, None] & (d < D)[None, :])
 
 
 @triton.jit
 def _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                    combo_ptr, T, stride_xt, stride_xk, tile, TILE_T: tl.constexpr,
                    BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr, R_BLOCK: tl.constexpr,
-                   CLEAR: tl.constexpr, INTERPRETED: tl.constexpr):
+                   RESCALE_STAGES: tl.constexpr, CLEAR: tl.constexpr, INTERPRETED: tl.constexpr):
     """Everything after stage A for one whole token tile, by one program."""
     tl.debug_barrier()  # this program's accumulator stores before its reloads
     inv_c = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, acc_ptr,
@@ -580,7 +594,8 @@ def _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pr
                         TILE_T, BLOCK_D, INTERPRETED)
         inv_c = _inv_rms(csq)
     tl.debug_barrier()  # the parked collapse (stored by every thread) before its reloads
-    _rescale(u_ptr, w_ptr, T, tile, inv_c, 0, (D + R_BLOCK - 1) // R_BLOCK, TILE_T, R_BLOCK, INTERPRETED)
+    _rescale(u_ptr, w_ptr, T, tile, inv_c, 0, (D + R_BLOCK - 1) // R_BLOCK, TILE_T, R_BLOCK, RESCALE_STAGES,
+             INTERPRETED)
 
 
 @triton.jit
@@ -644,7 +659,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                     TILE_T: tl.constexpr, BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr,
                     SPLIT_CHUNKS: tl.constexpr, N_SPLITS: tl.constexpr, R_BLOCK: tl.constexpr,
                     R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
-                    PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr, TRACE: tl.constexpr,
+                    RESCALE_STAGES: tl.constexpr, PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr, TRACE: tl.constexpr,
                     LEAVE_OUT: tl.constexpr):
     """Grid (1-D); D is N_CHUNKS chunks of BLOCK_D, a stage-A job takes SPLIT_CHUNKS of them.
 
@@ -671,7 +686,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         _stamp(trace_ptr, EV_WORK, TRACE)
         _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                        combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
-                       False, INTERPRETED)
+                       RESCALE_STAGES, False, INTERPRETED)
         _stamp(trace_ptr, EV_FINISHED, TRACE)
     elif R_SPLITS == 0:
         # split, the last arrival finishes the tile: nothing ever waits, so program ids are job ids
@@ -690,7 +705,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         if ticket == N_SPLITS - 1:
             _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                            combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
-                           True, INTERPRETED)
+                           RESCALE_STAGES, True, INTERPRETED)
             tl.atomic_xchg(arrive_a, 0, sem="relaxed")  # every arrival of this tile is in
             _stamp(trace_ptr, EV_FINISHED, TRACE)
     else:
@@ -760,7 +775,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             inv_c = tl.where(failed, float("nan"), inv_c)
             _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin,
                      tl.minimum(b_begin + R_PER_JOB, (D + R_BLOCK - 1) // R_BLOCK), TILE_T, R_BLOCK,
-                     INTERPRETED)
+                     RESCALE_STAGES, INTERPRETED)
             _stamp(trace_ptr, EV_WORK, TRACE)
         # The last job to finish restores the all-zero state: every job number has been claimed
         # and every wait of this launch is over. Relaxed: nothing is published through this
@@ -1145,6 +1160,10 @@ class LaunchConfig:
                  once (mega_mhc_split_fn), and stage A loads those instead of splitting its fp32
                  block again in every token tile (the split is ~1/3 of stage A's instructions per
                  chunk on sm_90, repeated T / tile_t times per launch)
+    rescale_stages  0: the rescale (u = c / rms * w over the parked collapse) loads one block
+                 ahead in registers; k >= 2: its loads are pipelined by Triton through shared
+                 memory, k - 1 blocks ahead (the sweep's shared memory is free by then: no more
+                 per program on sm_90)
     """
     tile_t: int
     block_d: int
@@ -1154,6 +1173,7 @@ class LaunchConfig:
     num_stages: int = 2
     pipeline_stages: int = 0
     presplit_fn: bool = False
+    rescale_stages: int = 0
 
     def variant(self, dim: int) -> str:
         return "tiled" if self.split_cols >= dim else "split"
@@ -1162,10 +1182,12 @@ class LaunchConfig:
 # CUDA launch table: the fastest correct configuration of tools/bench_mhc.py --sweep on one H200
 # (D=5120, n=4, bf16 streams, delayed seam, CUDA-graph replay; results/bench_mhc.json "sweep").
 # Rows: (max T, tile_t, block_d, split_cols, r_splits, warps, pipeline_stages, presplit_fn).
-#   T=1    80 one-chunk stage-A jobs + 5 rescale jobs      6.56 us (160 32-column jobs 6.46, the same
-#                                                                  with 2 warps 6.57: within noise)
+#   T=1    160 one-chunk stage-A jobs of 32 columns + 10   6.32 us (80 64-column jobs 6.47, the same
+#          rescale jobs                                           with 2 warps 6.45; ahead in the
+#                                                                 last two runs, by 2%: near the noise)
 #   T=64   4 tiles x 40 slices + 10 rescale jobs a tile,  10.7 us (not pipelined 11.7, one-chunk jobs
-#          stage A pipelined 2 deep                              12.0, presplit fn 12.8)
+#          stage A pipelined 2 deep                              12.0, presplit fn 12.8; the last run
+#                                                                11.1 against 11.9 / 12.2 / 13.1)
 #   T=512  32 tiles x 8 slices + 5 rescale jobs a tile,   27.0 us (4 rescale jobs a tile 27.3, presplit
 #          stage A pipelined 3 deep                              fn 28.7, 12 chunks a slice 29.2, 10
 #                                                                slices of 32-column chunks 31.9)
@@ -1175,6 +1197,11 @@ class LaunchConfig:
 # in two with rescale jobs 173.3, split in two finished by the last arrival 187.0; earlier runs:
 # 32-token tiles 243.5). (Before _round / _widen converted values in pairs, fn split once per launch
 # won there: 169.8 against 178.2; the pairs took the split's share of stage A down with the rest.)
+# The rescale's loads pipelined 3 deep (rescale_stages): 166.0 us against 174.2 without in the
+# sweep (and 172.1 / 171.9 against 177.5 / 178.8 interleaved in an earlier run; 2 deep 172.7, 4 deep
+# 171.5 there): the tail after the sweep, where every tile re-reads its parked collapse, then moves
+# more bytes per program at once. At T=1 and 512 it measured no better (6.58 / 27.1 against
+# 6.40 / 26.7 us), so the split rows keep 0.
 # 16-token tiles win everywhere: two or three 4-warp programs share an SM, and more, smaller
 # programs hide the sweep's memory latency better than larger tiles amortise fn; 64-column chunks
 # (128 B of a bf16 row) beat 32-column ones wherever registers allow two programs per SM. The
@@ -1187,11 +1214,12 @@ class LaunchConfig:
 # tile's stage A (so that they read a parked collapse still in L2), one accumulator per stream.
 SPLIT_MAX_T = 2048
 _CUDA_TABLE = (
-    (16, 16, 64, 64, 8, 4, 0, False),
+    (16, 16, 32, 32, 16, 4, 0, False),
     (128, 16, 64, 128, 32, 4, 2, False),
     (SPLIT_MAX_T, 16, 64, 640, 8, 4, 3, False),
 )
-_CUDA_TILED = (16, 64, 4, 3, False)  # tile_t, block_d, warps, pipeline_stages, presplit_fn above SPLIT_MAX_T
+# above SPLIT_MAX_T: tile_t, block_d, warps, pipeline_stages, presplit_fn, rescale_stages
+_CUDA_TILED = (16, 64, 4, 3, False, 3)
 
 
 def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = "cuda",
@@ -1220,9 +1248,13 @@ def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = 
         variant = "split" if n_tokens <= SPLIT_MAX_T else "tiled"
     presplit_ok = spec.has_coefficients and spec.stream_dtype == "bfloat16"
     if variant == "tiled":
-        tile_t, block_d, warps, stages, presplit = _CUDA_TILED
+        tile_t, block_d, warps, stages, presplit, rescale_stages = _CUDA_TILED
+        # the rescale's pipeline fits in stage A's shared memory only where stage A stages fn's
+        # blocks too (bf16 streams with coefficients); elsewhere it would take more per program
+        # (fp32 final collapse on sm_90: 69632 B instead of 40960, three programs per SM, not four)
         return LaunchConfig(tile_t, block_d, _round_up(D, block_d), num_warps=warps, pipeline_stages=stages,
-                            presplit_fn=presplit and presplit_ok)
+                            presplit_fn=presplit and presplit_ok,
+                            rescale_stages=rescale_stages if presplit_ok else 0)
     row = next((r for r in _CUDA_TABLE if n_tokens <= r[0]), _CUDA_TABLE[-1])
     _, tile_t, block_d, split_cols, r_splits, warps, stages, presplit = row
     if split_cols >= D:  # D too small to split at these sizes: 16-column slices
@@ -1380,7 +1412,8 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
     columns ([tile_t, r_block] = 8K elements): r_per_job blocks per rescale job, r_splits jobs per
     tile (0: the last arrival rescales the whole tile)."""
     if cfg.tile_t < 16 or cfg.tile_t & (cfg.tile_t - 1) or cfg.block_d < 16 or cfg.block_d & (cfg.block_d - 1) \
-            or cfg.split_cols % cfg.block_d or cfg.r_splits < 0:
+            or cfg.split_cols % cfg.block_d or cfg.r_splits < 0 or cfg.rescale_stages < 0 \
+            or cfg.rescale_stages == 1:
         raise ValueError(f"mega_mhc: inconsistent launch config {cfg}")
     if cfg.presplit_fn and not (spec.has_coefficients and spec.stream_dtype == "bfloat16"):
         raise ValueError(f"mega_mhc: presplit_fn needs bf16 streams and coefficients (fn), not the "
@@ -1481,6 +1514,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         TILE_T=cfg.tile_t, BLOCK_D=cfg.block_d, N_CHUNKS=plan["n_chunks"],
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
         R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], PIPELINE_STAGES=cfg.pipeline_stages,
+        RESCALE_STAGES=cfg.rescale_stages,
         PRESPLIT=cfg.presplit_fn, INTERPRETED=interpret,
         MAX_SPINS=1 << 10 if interpret else 1 << 22, TRACE=trace is not None, LEAVE_OUT=leave_out_bits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

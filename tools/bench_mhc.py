@@ -210,7 +210,7 @@ def sweep_configs(T: int) -> list[LaunchConfig]:
     once per launch (`presplit_fn`) where token tiles would split it many times over."""
     C = LaunchConfig
     if T <= 16:
-        return [C(16, 32, 32, 16), C(16, 32, 32, 16, num_warps=2), C(16, 32, 64, 8)]
+        return [C(16, 64, 64, 8), C(16, 32, 32, 16, num_warps=2), C(16, 32, 64, 8)]
     if T <= 128:
         return [C(16, 64, 128, 32), C(16, 64, 64, 32), C(16, 32, 64, 16, pipeline_stages=2),
                 C(16, 64, 192, 32, pipeline_stages=2), C(16, 64, 128, 32, pipeline_stages=3, presplit_fn=True)]
@@ -224,7 +224,9 @@ def sweep_configs(T: int) -> list[LaunchConfig]:
     # the tiled variant rescales every tile at the end (every parked collapse re-read at once);
     # a tile split in slices whose last arrival rescales it (r_splits=0) does so right after the
     # tile's sweep instead, and split tiles with rescale jobs spread it over the GPU
-    return [C(16, 64, 5120, pipeline_stages=3), C(16, 64, 5120, pipeline_stages=2, presplit_fn=True),
+    # (the tuned row pipelines the rescale's loads too: rescale_stages=3; here without it, and fn split first)
+    return [C(16, 64, 5120, pipeline_stages=3), C(16, 64, 5120, pipeline_stages=3, presplit_fn=True, rescale_stages=3),
+            C(16, 64, 5120, pipeline_stages=2, presplit_fn=True),
             C(16, 64, 2560, 0, pipeline_stages=3, presplit_fn=True),
             C(16, 64, 2560, 4, pipeline_stages=3, presplit_fn=True)]
 

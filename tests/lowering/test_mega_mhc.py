@@ -29,10 +29,13 @@ FORMS = {  # name -> (has_post, has_coefficients, pre)
 }
 # (T, variant or config): the tiled variant, the split one whose last arrival finishes the tile,
 # and the split one with epilogue jobs (the rescale, and a fresh collapse, in jobs of their own);
-# then the tiled and the epilogue-job split variants with stage A's loop pipelined by Triton
+# then the tiled and the epilogue-job split variants with stage A's loop pipelined by Triton; then
+# both with the rescale's loop pipelined (rescale_stages), over three column blocks per tile
+# (128-token tiles: 64-column blocks) and two per rescale job (64-token tiles: 128-column blocks)
 CASES = ((37, "tiled"), (3, "split"), (1, LaunchConfig(16, 32, 64, r_splits=2)),
          (37, LaunchConfig(16, 32, 64, r_splits=3)),
-         (21, LaunchConfig(16, 32, 4096, pipeline_stages=3)), (5, LaunchConfig(16, 32, 64, r_splits=2, pipeline_stages=2)))
+         (21, LaunchConfig(16, 32, 4096, pipeline_stages=3)), (5, LaunchConfig(16, 32, 64, r_splits=2, pipeline_stages=2)),
+         (37, LaunchConfig(128, 32, 4096, rescale_stages=3)), (37, LaunchConfig(64, 32, 64, r_splits=1, rescale_stages=2)))
 
 
 @pytest.fixture(autouse=True)
@@ -322,3 +325,26 @@ def test_leave_out_names_the_valid_parts():
     spec = make_spec()
     with pytest.raises(ValueError, match="'loads'.*valid: fn_loads, dots, stream_stores, parked_store"):
         mega_mhc(*make_inputs(spec, 3, seed=1), spec, leave_out=("loads",))
+
+
+@pytest.mark.parametrize("bad", [dict(rescale_stages=1), dict(rescale_stages=-2), dict(r_splits=-1),
+                                 dict(tile_t=24), dict(split_cols=48)])
+def test_inconsistent_launch_configs_are_refused(bad):
+    # rescale_stages 1 would be a pipelined loop with nothing ahead: slower than 0, never meant
+    spec = make_spec()
+    cfg = dataclasses.replace(LaunchConfig(16, 32, 64, r_splits=2), **bad)
+    with pytest.raises(ValueError, match="inconsistent launch config"):
+        mega_mhc(*make_inputs(spec, 3, seed=0), spec, config=cfg)
+
+
+def test_choose_config_pipelines_the_rescale_only_where_measured_and_free():
+    # the T > 2048 row pipelines the rescale (measured on the bf16 delayed seam); where stage A
+    # stages no fn blocks its pipeline is smaller than the rescale's, so those forms keep 0
+    big = 2 * mm.SPLIT_MAX_T
+    assert mm.choose_config(make_spec("delayed", "bfloat16", dim=5120), big).rescale_stages == 3
+    assert mm.choose_config(make_spec("first_seam", "bfloat16", dim=5120), big).rescale_stages == 3
+    for spec in (make_spec("delayed", "float32", dim=5120), make_spec("final_collapse", "bfloat16", dim=5120)):
+        assert mm.choose_config(spec, big).rescale_stages == 0
+    for T in (1, 64, 512):
+        assert mm.choose_config(make_spec("delayed", "bfloat16", dim=5120), T).rescale_stages == 0
+    assert mm.choose_config(make_spec("delayed", "bfloat16"), big, device="cpu").rescale_stages == 0

@@ -77,6 +77,7 @@ def test_a_pipelined_stage_a_builds_with_async_copies_and_fewer_registers(T):
     # through shared memory. It must really be pipelined (cp.async in the PTX), and it is worth a
     # sweep only because it frees registers (the tuned double-buffered build has none to spare).
     tuned = mega_mhc.choose_config(hopper_builds.mhc_spec("delayed"), T, device="cuda")
+    tuned = dataclasses.replace(tuned, rescale_stages=0)  # stage A's pipeline alone
     buffered = hopper_builds.build_mhc("delayed", T, config=dataclasses.replace(tuned, pipeline_stages=0))
     pipelined = hopper_builds.build_mhc("delayed", T, config=dataclasses.replace(tuned, pipeline_stages=3))
     _check(pipelined)
@@ -106,6 +107,21 @@ def test_presplit_fn_launches_the_split_kernel_first_and_drops_the_split_from_st
     chunk, inline_chunk = seam.loops()[0], inline.loops()[0]
     assert chunk.opcodes["HMMA"] > 0 and inline_chunk.opcodes["HMMA"] > 0
     assert chunk.instructions < 0.8 * inline_chunk.instructions
+
+
+def test_the_tuned_tiled_rescale_is_pipelined_in_the_sweeps_shared_memory():
+    # rescale_stages (the T=4096 row): the rescale's loads go through shared memory (cp.async),
+    # two blocks ahead, in the space stage A's pipeline used: no more shared memory per program
+    tuned = mega_mhc.choose_config(hopper_builds.mhc_spec("delayed"), 4096, device="cuda")
+    assert tuned.rescale_stages == 3
+    pipelined = hopper_builds.build_mhc("delayed", 4096, config=tuned)
+    buffered = hopper_builds.build_mhc("delayed", 4096, config=dataclasses.replace(tuned, rescale_stages=0))
+    _check(pipelined)
+    rescale = lambda b: next(loop for loop in b.loops() if loop.opcodes["STG"] and not loop.opcodes["HMMA"]
+                             and not loop.opcodes["MUFU"])
+    assert rescale(pipelined).opcodes["LDGSTS"] > 0 and rescale(buffered).opcodes["LDGSTS"] == 0
+    assert pipelined.shared_bytes == buffered.shared_bytes
+    assert pipelined.programs_per_sm() == buffered.programs_per_sm() == 2
 
 
 @pytest.mark.parametrize("form", ["delayed", "fresh"])
