@@ -111,8 +111,9 @@ partial-sum atomics), rescale done 4.5-4.8, coefficients + Sinkhorn done 5.5 (th
 Sinkhorn's rounds are ~1.4 us of it); at T=64 stage A takes 5.2 us (two [16, 64] chunks: one
 warp's instruction latency with one or two programs per SM), then the merge and Sinkhorn 2.9 us
 after the last arrival; at T=4096 the sweep ends at 138-148 us and the rescale tail at 156-162 (the
-parked collapse is re-read, much of it from HBM, by every tile at once). Within stage A (tools/bench_mhc.py --leave-out, which times the launch
-with each of LEAVE_OUT_PARTS compiled out): the projection dots cost the most at every T (3.1 of
+parked collapse is re-read, much of it from HBM, by every tile at once). Within stage A
+(tools/bench_mhc.py --leave-out, which times the launch with each of LEAVE_OUT_PARTS compiled out;
+measured before the paired conversions): the projection dots cost the most at every T (3.1 of
 6.1 us at T=64, 9.4 of 21.8 at T=512, 24 of 145 at T=4096), then fn's loads.
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
 launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
@@ -350,8 +351,8 @@ def _widen(x, INTERPRETED: tl.constexpr):
     instructions per stage-A chunk (886 -> 761 at T=64, 905 -> 786 at T=512, 630 -> 572 at
     T=4096) and 36-56 fewer registers in the tuned sm_90 builds (tools.hopper_builds)."""
     if x.dtype == tl.bfloat16 and not INTERPRETED:
-        wide = tl.inline_asm_elementwise("{ shl.b32 $$0, $$2, 16; and.b32 $$1, $$2, 0xFFFF0000; }", "=r,=r,r", [x],
-                                         dtype=tl.float32, is_pure=True, pack=2)
+        wide = tl.inline_asm_elementwise("{ shl.b32 $$0, $$2, 16; and.b32 $$1, $$2, 0xFFFF0000; }",
+                                         "=r,=r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
     else:
         wide = x.to(tl.float32)
     return wide
@@ -659,8 +660,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                     TILE_T: tl.constexpr, BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr,
                     SPLIT_CHUNKS: tl.constexpr, N_SPLITS: tl.constexpr, R_BLOCK: tl.constexpr,
                     R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
-                    RESCALE_STAGES: tl.constexpr, PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr, TRACE: tl.constexpr,
-                    LEAVE_OUT: tl.constexpr):
+                    RESCALE_STAGES: tl.constexpr, PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr,
+                    MAX_SPINS: tl.constexpr, TRACE: tl.constexpr, LEAVE_OUT: tl.constexpr):
     """Grid (1-D); D is N_CHUNKS chunks of BLOCK_D, a stage-A job takes SPLIT_CHUNKS of them.
 
     tiled        (N_SPLITS == 1)                 n_tiles programs, job = program id
@@ -1154,8 +1155,7 @@ class LaunchConfig:
                  loads sit in a `tl.range(num_stages=k)` loop and Triton's pipeliner keeps k - 1
                  chunks in flight through shared memory (cp.async): on sm_90 fewer registers
                  (T=64: 212 instead of 255) and 44 KB of shared memory per stage
-                 (tools.hopper_builds); the
-                 tuned rows use k = 2 at T=64 and k = 3 from T=512 up
+                 (tools.hopper_builds); the tuned rows use k = 2 at T=64 and k = 3 from T=512 up
     presplit_fn  bf16 streams with coefficients: a first launch splits fn into its bf16 pieces
                  once (mega_mhc_split_fn), and stage A loads those instead of splitting its fp32
                  block again in every token tile (the split is ~1/3 of stage A's instructions per
@@ -1414,7 +1414,8 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
     if cfg.tile_t < 16 or cfg.tile_t & (cfg.tile_t - 1) or cfg.block_d < 16 or cfg.block_d & (cfg.block_d - 1) \
             or cfg.split_cols % cfg.block_d or cfg.r_splits < 0 or cfg.rescale_stages < 0 \
             or cfg.rescale_stages == 1:
-        raise ValueError(f"mega_mhc: inconsistent launch config {cfg}")
+        raise ValueError(f"mega_mhc: inconsistent launch config {cfg}: tile_t and block_d must be powers of "
+                         "two >= 16, split_cols a multiple of block_d, r_splits >= 0, rescale_stages 0 or >= 2")
     if cfg.presplit_fn and not (spec.has_coefficients and spec.stream_dtype == "bfloat16"):
         raise ValueError(f"mega_mhc: presplit_fn needs bf16 streams and coefficients (fn), not the "
                          f"{spec.stream_dtype} {spec.form()} form: {cfg}")

@@ -34,8 +34,10 @@ FORMS = {  # name -> (has_post, has_coefficients, pre)
 # (128-token tiles: 64-column blocks) and two per rescale job (64-token tiles: 128-column blocks)
 CASES = ((37, "tiled"), (3, "split"), (1, LaunchConfig(16, 32, 64, r_splits=2)),
          (37, LaunchConfig(16, 32, 64, r_splits=3)),
-         (21, LaunchConfig(16, 32, 4096, pipeline_stages=3)), (5, LaunchConfig(16, 32, 64, r_splits=2, pipeline_stages=2)),
-         (37, LaunchConfig(128, 32, 4096, rescale_stages=3)), (37, LaunchConfig(64, 32, 64, r_splits=1, rescale_stages=2)))
+         (21, LaunchConfig(16, 32, 4096, pipeline_stages=3)),
+         (5, LaunchConfig(16, 32, 64, r_splits=2, pipeline_stages=2)),
+         (37, LaunchConfig(128, 32, 4096, rescale_stages=3)),
+         (37, LaunchConfig(64, 32, 64, r_splits=1, rescale_stages=2)))
 
 
 @pytest.fixture(autouse=True)
@@ -333,7 +335,7 @@ def test_inconsistent_launch_configs_are_refused(bad):
     # rescale_stages 1 would be a pipelined loop with nothing ahead: slower than 0, never meant
     spec = make_spec()
     cfg = dataclasses.replace(LaunchConfig(16, 32, 64, r_splits=2), **bad)
-    with pytest.raises(ValueError, match="inconsistent launch config"):
+    with pytest.raises(ValueError, match="inconsistent launch config.*rescale_stages 0 or >= 2"):
         mega_mhc(*make_inputs(spec, 3, seed=0), spec, config=cfg)
 
 
