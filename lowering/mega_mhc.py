@@ -1246,21 +1246,26 @@ def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = 
         return LaunchConfig(16, block_d, split_cols, r_splits=0)
     if variant is None:
         variant = "split" if n_tokens <= SPLIT_MAX_T else "tiled"
-    presplit_ok = spec.has_coefficients and spec.stream_dtype == "bfloat16"
+    bf16_fn = _projects_bf16_pieces(spec)
     if variant == "tiled":
         tile_t, block_d, warps, stages, presplit, rescale_stages = _CUDA_TILED
         # the rescale's pipeline fits in stage A's shared memory only where stage A stages fn's
-        # blocks too (bf16 streams with coefficients); elsewhere it would take more per program
+        # blocks too; elsewhere it would take more per program
         # (fp32 final collapse on sm_90: 69632 B instead of 40960, three programs per SM, not four)
         return LaunchConfig(tile_t, block_d, _round_up(D, block_d), num_warps=warps, pipeline_stages=stages,
-                            presplit_fn=presplit and presplit_ok,
-                            rescale_stages=rescale_stages if presplit_ok else 0)
+                            presplit_fn=presplit and bf16_fn, rescale_stages=rescale_stages if bf16_fn else 0)
     row = next((r for r in _CUDA_TABLE if n_tokens <= r[0]), _CUDA_TABLE[-1])
     _, tile_t, block_d, split_cols, r_splits, warps, stages, presplit = row
     if split_cols >= D:  # D too small to split at these sizes: 16-column slices
         block_d = split_cols = 16
     return LaunchConfig(tile_t, block_d, split_cols, r_splits, num_warps=warps, pipeline_stages=stages,
-                        presplit_fn=presplit and presplit_ok)
+                        presplit_fn=presplit and bf16_fn)
+
+
+def _projects_bf16_pieces(spec: MhcSpec) -> bool:
+    """Stage A projects onto fn's bf16 pieces (bf16 streams with coefficients): the forms where fn
+    can be split beforehand (presplit_fn) and whose pipeline stages fn's blocks (rescale_stages)."""
+    return spec.has_coefficients and spec.stream_dtype == "bfloat16"
 
 
 def _round_up(x: int, m: int) -> int:
@@ -1416,7 +1421,7 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
             or cfg.rescale_stages == 1:
         raise ValueError(f"mega_mhc: inconsistent launch config {cfg}: tile_t and block_d must be powers of "
                          "two >= 16, split_cols a multiple of block_d, r_splits >= 0, rescale_stages 0 or >= 2")
-    if cfg.presplit_fn and not (spec.has_coefficients and spec.stream_dtype == "bfloat16"):
+    if cfg.presplit_fn and not _projects_bf16_pieces(spec):
         raise ValueError(f"mega_mhc: presplit_fn needs bf16 streams and coefficients (fn), not the "
                          f"{spec.stream_dtype} {spec.form()} form: {cfg}")
     n_tiles = -(-T // cfg.tile_t)

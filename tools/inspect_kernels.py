@@ -15,7 +15,7 @@ same kernel (identical layers share it). For each kernel:
                         cache (`MEGAFUSE_KERNEL_CACHE`); `kernel_attr` is the @triton.jit function
     time                CUDA: device time per launch from torch.profiler (launches matched in order
                         to the profiler's kernels of that name, plus any helper kernel a launch
-                        runs first, e.g. Mega-mHC's fn split above 2048 tokens), mean over
+                        runs first, e.g. Mega-mHC's fn split with `presplit_fn`), mean over
                         --repeat forwards; CPU: wall time per launch of the Triton interpreter,
                         indicative only
     floor               CUDA: bytes the launch must move (its tensor inputs read once, outputs
