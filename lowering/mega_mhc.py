@@ -33,11 +33,13 @@ organised around moving those bytes once:
   stream is its own [TILE_T, BLOCK_D] register tile (the generator unrolls the n streams, so the
   post + comb mix, the statistics and the collapse are elementwise in one layout). Per chunk: form
   X' (post + comb mix) in fp32, round and store it, add its squares to the coefficient statistic,
-  add its projection onto fn (per stream a `tl.dot` of [TILE_T, BLOCK_D] x [BLOCK_D, SLOT], fn's
-  (2+n)n rows padded to SLOT), collapse it with the carried pre, round the collapse and *park* it
-  in u, add its squares to the norm statistic. The next chunk's inputs (y, X, fn's block) are
-  loaded before the current one is computed (register double-buffering). fn's block is read once
-  per token tile, not per token. `LaunchConfig.pipeline_stages` instead leaves the loads in a
+  collapse it with the carried pre, round the collapse and *park* it in u, add its squares to the
+  norm statistic, then add X''s projection onto fn (per stream a `tl.dot` of [TILE_T, BLOCK_D] x
+  [BLOCK_D, SLOT], fn's (2+n)n rows padded to SLOT). The next chunk's inputs (y, X, fn's block)
+  are loaded before the current one is computed (register double-buffering). fn's block is read
+  once per token tile, not per token; with `LaunchConfig.sub_tiles` = 2 a tile of 2 x 16 tokens
+  is swept as two 16-token register tiles that share each block of fn (T >= 1024: half of fn's
+  traffic from L2, which at T=4096 with 16-token tiles exceeded the launch's HBM traffic). `LaunchConfig.pipeline_stages` instead leaves the loads in a
   `tl.range` loop that Triton pipelines through shared memory, so more chunks are in flight and
   fewer registers are used (T >= 512). fn is fp32 and X' bf16, so the dot runs on fn's two bf16
   pieces (hi + lo): each tile splits its block of fn, or, with `LaunchConfig.presplit_fn`, a
@@ -54,8 +56,8 @@ organised around moving those bytes once:
   publishes pre' before Sinkhorn, which then overlaps the collapse jobs' work.
 * The norm's statistic needs the whole row too, so a second, short sweep rescales the parked
   collapse in place: u = c * rsqrt(mean(c^2) + eps) * w (reads and writes 2D bytes per token:
-  from L2 at small T; at T=4096 most of the parked 42 MB have left L2, and the rescale is the last
-  ~9% of the launch, with its loads pipelined: `LaunchConfig.rescale_stages`), in
+  from L2 at small T; at T=4096 much of the parked 42 MB has left L2, and the rescale is the
+  launch's last ~10%, with its loads pipelined: `LaunchConfig.rescale_stages`), in
   [TILE_T, 8192 / TILE_T] blocks.
 * "fresh" pre: the collapse needs pre', known only after the whole row, so it is a second sweep
   over X' (re-reading 8D per token: the documented cost of V4's non-delayed form), then the rescale.
@@ -63,7 +65,8 @@ organised around moving those bytes once:
 Variants (one kernel, constexpr switches; `choose_config` picks one per T):
 
 * tiled (`split_cols >= D`): one program per token tile does everything inline; no shared state.
-  Used above SPLIT_MAX_T, where token tiles alone give the GPU enough programs.
+  The CPU's (interpreter's) choice; on CUDA only when forced (no tuned row uses it: split jobs
+  with sub-tiles beat it at T=4096, 150.5 against ~172 us).
 * split (`split_cols < D`): at small T one program per token tile cannot pull fn (2 MB) and the
   row through one SM fast enough (T=1 with one program is ~20x slower than the floor): D is split
   into slices, (token tile, slice) stage-A jobs add their partial sums into the tile's accumulator
@@ -103,18 +106,20 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json): CUDA-graph replay 6.2 / 10.4 / 27.1 / 166 us at
-T = 1 / 64 / 512 / 4096 against 58 / 101 / 303 / 1785 us for the same chain under torch.compile.
-Where the time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the first start):
-at T=1, job claim 0.5 us, stage A done 1.9-2.4, arrived 3.0-3.7 (the release fence waits for the
-partial-sum atomics), rescale done 4.5-4.8, coefficients + Sinkhorn done 5.5 (the last program;
-Sinkhorn's rounds are ~1.4 us of it); at T=64 stage A takes 5.2 us (two [16, 64] chunks: one
-warp's instruction latency with one or two programs per SM), then the merge and Sinkhorn 2.9 us
-after the last arrival; at T=4096 the sweep ends at 138-148 us and the rescale tail at 156-162 (the
-parked collapse is re-read, much of it from HBM, by every tile at once). Within stage A
-(tools/bench_mhc.py --leave-out, which times the launch with each of LEAVE_OUT_PARTS compiled out;
-measured before the paired conversions): the projection dots cost the most at every T (3.1 of
-6.1 us at T=64, 9.4 of 21.8 at T=512, 24 of 145 at T=4096), then fn's loads.
+Measured (H200, results/bench_mhc.json): CUDA-graph replay 6.3 / 12.3 / 25.4 / 153 us at
+T = 1 / 64 / 512 / 4096 against 61 / 96 / 301 / 1770 us for the same chain under torch.compile (an
+instance slow at T=64: the stop-11 kernel measured 10.4 us there on another, 12.0 on one of this
+stop's). Where the time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the
+first start): at T=1, job claim 0.5 us, stage A done 1.9-2.4, arrived 3.0-3.9 (the release fence
+waits for the partial-sum atomics), rescale done 4.5-4.7, coefficients + Sinkhorn done 5.8 (the
+last program; Sinkhorn's rounds are ~1.4 us of it); at T=64 stage A takes 4.6 us (median; three
+[16, 64] chunks: one warp's instruction latency with one or two programs per SM), then the merge
+and Sinkhorn ~3 us after the last arrival; at T=4096 the stage-A jobs end at 122-130 us, the
+merges at 130-141 and the rescale jobs at 139-150 (the parked collapse is re-read, much of it from
+HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the launch with each of
+LEAVE_OUT_PARTS compiled out; measured before the paired conversions and sub-tiles): the
+projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at T=512, 24 of 145
+at T=4096), then fn's loads.
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
 launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
 """
@@ -142,6 +147,10 @@ KERNEL_NAME = "mega_mhc_kernel"
 SPLIT_FN_KERNEL = "mega_mhc_split_fn"  # bf16 streams: fn into its bf16 pieces, for presplit_fn launches
 SPLIT_FN_BLOCK = 1024
 SYNC_PER_TILE = 4  # arrive A, ready A, arrive C, ready C
+# Stage A may sweep a token tile as sub-tiles (LaunchConfig.sub_tiles); the generated code names
+# sub-tile s's values with SUB_SUFFIX[s] and has code for at most MAX_SUB_TILES of them.
+SUB_SUFFIX = ("", "_s1")
+MAX_SUB_TILES = len(SUB_SUFFIX)
 # A traced launch (`mega_mhc(..., trace=...)`, CUDA only) records one int64 row per program: the
 # GPU's %globaltimer (ns) at each of these events (0 where the program never reached it), then
 # its job number and role. tools/bench_mhc.py --trace turns them into a launch's timeline.
@@ -379,21 +388,31 @@ $PROJECT_FUNCTIONS
 
 
 @triton.jit
+def _load_streams(x_ptr, y_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk, c_end,
+                  BLOCK_D: tl.constexpr):
+    """One chunk of D of the token rows `rows64` ($STREAM_LOAD_DOC); masked past the job's last
+    chunk (chunk >= c_end): nothing is read."""
+    d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+    live = (d * 0 + chunk) < c_end  # [BLOCK_D], all equal (a tensor in both Triton modes)
+    ok = row_ok[:, None] & ((d < D) & live)[None, :]
+    x_ptrs = x_ptr + rows64[:, None] * stride_xt + d[None, :]
+$STREAM_LOAD_LINES
+
+
+@triton.jit
 def _load_chunk(x_ptr, y_ptr, fn_ptr, fns_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk, c_end,
                 BLOCK_D: tl.constexpr, PRESPLIT: tl.constexpr, LEAVE_OUT: tl.constexpr):
     """The raw inputs of one chunk of D ($LOAD_DOC).
     Past the job's last chunk (chunk >= c_end) everything is masked: nothing is read."""
     d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     live = (d * 0 + chunk) < c_end  # [BLOCK_D], all equal (a tensor in both Triton modes)
-    ok = row_ok[:, None] & ((d < D) & live)[None, :]
-    x_ptrs = x_ptr + rows64[:, None] * stride_xt + d[None, :]
 $LOAD_LINES
 
 
 @triton.jit
 def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
              T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
-             tile, c_begin, c_end, TILE_T: tl.constexpr, BLOCK_D: tl.constexpr,
+             tile, c_begin, c_end, TILE_T: tl.constexpr, SUB_TILES: tl.constexpr, BLOCK_D: tl.constexpr,
              ATOMIC: tl.constexpr, PIPELINE_STAGES: tl.constexpr, PRESPLIT: tl.constexpr,
              LEAVE_OUT: tl.constexpr, INTERPRETED: tl.constexpr):
     """Stage A for token tile `tile` over chunks [c_begin, c_end) of D: store X' (and the parked,
@@ -401,26 +420,17 @@ def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr
     [TILE_T, SLOT]: the (2+n)n projections, sum X'^2 (SUMSQ_COL), sum c^2 (CSQ_COL); with atomics
     when D is split (ATOMIC), else with plain stores.
 
-    Every stream is its own [TILE_T, BLOCK_D] tile (the generator unrolls the n streams), so all
-    the arithmetic is elementwise in one register layout. The next chunk's inputs are loaded
-    before this chunk is computed (register double-buffering: the loads' latency overlaps the
-    arithmetic and the stores). Loops run over chunk numbers: every chunk starts at a known
-    multiple of BLOCK_D (aligned, vectorised accesses), and the only partial chunk is D's last
-    (masks against constexpr D)."""
-    rows = tile * TILE_T + tl.arange(0, TILE_T)
-    row_ok = rows < T  # tokens past T load zeros and are never stored
-    rows64 = rows.to(tl.int64)
-    if HAS_POST:
-        # per-token scalars as [TILE_T] columns: post_j = post[t, j], comb_i_j = comb[t, i, j]
-$POST_LOADS
-    if not FRESH:
-$PRE_LOADS
-    # two projection accumulators (even and odd streams): a chunk's 2n tensor-core dots form two
-    # independent chains instead of one through a single accumulator (one accumulator per stream
-    # took the 16 x 64 sm_90 builds to 255 registers and spills)
-$ACC_INIT
-    sumsq = tl.full([TILE_T], 0.0, dtype=tl.float32)
-    csq = tl.full([TILE_T], 0.0, dtype=tl.float32)
+    Every stream is its own [SUB_T, BLOCK_D] tile (the generator unrolls the n streams), so all
+    the arithmetic is elementwise in one register layout. SUB_TILES = 2 (pipelined loop only)
+    sweeps the tile as two sub-tiles of SUB_T = TILE_T / 2 tokens, one after the other within each
+    chunk: fn's block is loaded (and split) once for both, so fn is read once per TILE_T tokens
+    while the register tiles stay SUB_T tall. The next chunk's inputs are loaded before this
+    chunk is computed (register double-buffering: the loads' latency overlaps the arithmetic and
+    the stores). Loops run over chunk numbers: every chunk starts at a known multiple of BLOCK_D
+    (aligned, vectorised accesses), and the only partial chunk is D's last (masks against
+    constexpr D)."""
+    SUB_T: tl.constexpr = TILE_T // SUB_TILES
+$SUB_SETUP
     if PIPELINE_STAGES > 0:
         # loads inside the loop; Triton's pipeliner keeps PIPELINE_STAGES - 1 chunks in flight
         # through shared memory (cp.async), not in registers
@@ -428,8 +438,12 @@ $ACC_INIT
             $CUR_NAMES = _load_chunk(
                 x_ptr, y_ptr, fn_ptr, fns_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk, c_end,
                 BLOCK_D, PRESPLIT, LEAVE_OUT)
+            if SUB_TILES > 1:
+                $CUR_NAMES_S1 = _load_streams(
+                    x_ptr, y_ptr, rows64_s1, row_ok_s1, stride_xt, stride_xk, stride_yt, chunk, c_end, BLOCK_D)
 $PIPELINED_BODY
     else:
+        tl.static_assert(SUB_TILES == 1, "sub-tiles need the pipelined loop (PIPELINE_STAGES >= 2)")
         # register double-buffering: the next chunk's loads are issued before this one is computed
         $NEXT_NAMES = _load_chunk(
             x_ptr, y_ptr, fn_ptr, fns_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, c_begin, c_end,
@@ -440,7 +454,13 @@ $PIPELINED_BODY
                 x_ptr, y_ptr, fn_ptr, fns_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk + 1, c_end,
                 BLOCK_D, PRESPLIT, LEAVE_OUT)
 $BUFFERED_BODY
-    acc = $ACC_SUM
+$SUB_FINISH
+
+
+@triton.jit
+def _add_partials(acc_ptr, rows64, row_ok, acc, sumsq, csq, ATOMIC: tl.constexpr):
+    """Add one sub-tile's partial sums into its rows of the accumulator: [SUB_T, SLOT] of the
+    projections, with sum X'^2 and sum c^2 in their columns."""
     cols = tl.arange(0, SLOT)[None, :]
     part = tl.where(cols == SUMSQ_COL, sumsq[:, None], tl.where(cols == CSQ_COL, csq[:, None], acc))
     offs = rows64[:, None] * SLOT + cols
@@ -657,7 +677,7 @@ def _epilogue_job(job, n_a, n_c, n_jobs, N_SPLITS: tl.constexpr, R_SPLITS: tl.co
 def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, base_ptr, scale_ptr, w_ptr,
                     xo_ptr, u_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, ws_ptr, sync_ptr, trace_ptr,
                     T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre, n_tiles,
-                    TILE_T: tl.constexpr, BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr,
+                    TILE_T: tl.constexpr, SUB_TILES: tl.constexpr, BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr,
                     SPLIT_CHUNKS: tl.constexpr, N_SPLITS: tl.constexpr, R_BLOCK: tl.constexpr,
                     R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
                     RESCALE_STAGES: tl.constexpr, PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -683,7 +703,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         _note_job(trace_ptr, tile, ROLE_TILED, TRACE)
         _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
-                 tile, 0, N_CHUNKS, TILE_T, BLOCK_D, False, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
+                 tile, 0, N_CHUNKS, TILE_T, SUB_TILES, BLOCK_D, False, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
         _stamp(trace_ptr, EV_WORK, TRACE)
         _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                        combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
@@ -697,7 +717,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         c_begin = (job % N_SPLITS) * SPLIT_CHUNKS
         _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
-                 tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D, True,
+                 tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, SUB_TILES, BLOCK_D, True,
                  PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
         _stamp(trace_ptr, EV_WORK, TRACE)
         arrive_a = sync_ptr + TILE_SYNC + tile * 4 + ARRIVE_A
@@ -725,8 +745,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             c_begin = part * SPLIT_CHUNKS
             _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                      T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
-                     tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D,
-                     True, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
+                     tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, SUB_TILES,
+                     BLOCK_D, True, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
             _stamp(trace_ptr, EV_WORK, TRACE)
             ticket = _arrive(sync + ARRIVE_A)
             _stamp(trace_ptr, EV_ARRIVED, TRACE)
@@ -808,26 +828,35 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
 # The body of stage A's loop over chunks (indented for a loop body at 8 spaces); the template
 # places it in both loop forms (register double-buffering and Triton-pipelined).
 _CHUNK_BODY = string.Template('''\
-        d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
-        ok = row_ok[:, None] & (d < D)[None, :]  # [TILE_T, BLOCK_D]
-        if HAS_POST:
-$POST_LINES
-        # every later step reads the rounded X', like the reference
-$F32_LINES
-        if HAS_COEFFS:
-            sumsq += tl.reduce($SUMSQ_EXPR, 1, _add)
-            if (LEAVE_DOTS & LEAVE_OUT) == 0:
+d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+$SUB_BODY
+if SUB_TILES > 1:
+$SUB_BODY_S1
+if HAS_COEFFS:
+    if (LEAVE_DOTS & LEAVE_OUT) == 0:
 $PROJECT_LINES
-        if not FRESH:
-            # hc_pre with the carried pre, rounded like the reference; parked in u until the
-            # norm's statistic (the whole row) is known
-            collapsed = _round($COLLAPSE_EXPR, INTERPRETED)
-            # evict_last: the rescale reads it back at the tile's end; the streams (loads and X')
-            # are evict_first, so at large T the parked collapse is what stays in L2
-            if (LEAVE_PARKED_STORE & LEAVE_OUT) == 0:
-                tl.store(u_ptr + rows64[:, None] * D + d[None, :], collapsed, mask=ok, eviction_policy="evict_last")
-            cf = _widen(collapsed, INTERPRETED)
-            csq += tl.reduce(cf * cf, 1, _add)
+''')
+
+# One sub-tile's share of a chunk (names suffixed per sub-tile by the generator; fn's block and d
+# are shared).
+_SUB_BODY = string.Template('''\
+ok$S = row_ok$S[:, None] & (d < D)[None, :]  # [SUB_T, BLOCK_D]
+if HAS_POST:
+$POST_LINES
+# every later step reads the rounded X', like the reference
+$F32_LINES
+if HAS_COEFFS:
+    sumsq$S += tl.reduce($SUMSQ_EXPR, 1, _add)
+if not FRESH:
+    # hc_pre with the carried pre, rounded like the reference; parked in u until the
+    # norm's statistic (the whole row) is known
+    collapsed = _round($COLLAPSE_EXPR, INTERPRETED)
+    # evict_last: the rescale reads it back at the tile's end; the streams (loads and X')
+    # are evict_first, so at large T the parked collapse is what stays in L2
+    if (LEAVE_PARKED_STORE & LEAVE_OUT) == 0:
+        tl.store(u_ptr + rows64$S[:, None] * D + d[None, :], collapsed, mask=ok$S, eviction_policy="evict_last")
+    cf = _widen(collapsed, INTERPRETED)
+    csq$S += tl.reduce(cf * cf, 1, _add)
 ''')
 
 # The projection, per stream dtype: the helpers stage A's loads and dots use, and (bf16) the
@@ -892,7 +921,7 @@ def _project(acc, xs, w, INTERPRETED: tl.constexpr):
 '''
 
 _GENERATOR_FINGERPRINT = hashlib.sha1(
-    (_TEMPLATE.template + _CHUNK_BODY.template + _PROJECT_BF16 + _PROJECT_FP32 + "gen-v3").encode()).hexdigest()
+    (_TEMPLATE.template + _CHUNK_BODY.template + _SUB_BODY.template + _PROJECT_BF16 + _PROJECT_FP32 + "gen-v3").encode()).hexdigest()
 
 
 def _fmt_float(x: float) -> str:
@@ -1017,17 +1046,24 @@ def generate_source(spec: MhcSpec) -> str:
     def step(k, stride):  # pointer offset of stream k
         return "" if k == 0 else f" + {k} * {stride}"
 
-    # what _load_chunk returns, and the loop's current / next names for it
+    # what _load_streams / _load_chunk return, and the loop's current / next names for them
     bf16 = spec.stream_dtype == "bfloat16"
     pieces = [[f"fa_{k}", f"fb_{k}"] if bf16 else [f"w_{k}"] for k in streams]  # fn's block per stream
-    loaded = (["y"] if spec.has_post else []) + [f"x_{k}" for k in streams] \
-        + ([name for names in pieces for name in names] if spec.has_coefficients else [])
+    fn_names = [name for names in pieces for name in names] if spec.has_coefficients else []
+
+    def stream_names(sfx):
+        return (["y" + sfx] if spec.has_post else []) + [f"x_{k}{sfx}" for k in streams]
+
     load = []
     if spec.has_post:
         load.append("y = tl.load(y_ptr + rows64[:, None] * stride_yt + d[None, :], mask=ok, other=0.0, "
                     "eviction_policy=\"evict_first\")")
     load += [f"x_{k} = tl.load(x_ptrs{step(k, 'stride_xk')}, mask=ok, other=0.0, eviction_policy=\"evict_first\")"
              for k in streams]
+    load.append("return " + ", ".join(stream_names("")))
+    block("STREAM_LOAD_LINES", 4, load)
+    load = [", ".join(stream_names("")) + " = _load_streams(",
+            "    x_ptr, y_ptr, rows64, row_ok, stride_xt, stride_xk, stride_yt, chunk, c_end, BLOCK_D)"]
     if spec.has_coefficients:
         load.append("# fn^T's block for each stream: rows d of stream k, columns 0..SLOT (past WIDTH: zeros)")
         load.append("fcols = tl.arange(0, SLOT)")
@@ -1054,34 +1090,75 @@ def generate_source(spec: MhcSpec) -> str:
             load += [f"    w_{k} = {zeros.format('float32')}" for k in streams]
             load.append("else:")
             load += [f"    w_{k} = tl.load(fn_ptr + {fn_block.format(k=k)}, mask=f_ok, other=0.0)" for k in streams]
+    loaded = stream_names("") + fn_names
     load.append("return " + ", ".join(loaded))
     block("LOAD_LINES", 4, load)
+    lines["STREAM_LOAD_DOC"] = ", ".join((["y"] if spec.has_post else []) + ["the n streams"])
     lines["LOAD_DOC"] = ", ".join(
         (["y"] if spec.has_post else []) + ["the n streams"] + (["fn^T's block per stream"] if spec.has_coefficients else []))
     lines["CUR_NAMES"] = ", ".join(loaded)
+    lines["CUR_NAMES_S1"] = ", ".join(stream_names(SUB_SUFFIX[1]))
     lines["NEXT_NAMES"] = ", ".join(f"{name}_n" for name in loaded)
 
-    block("POST_LOADS", 8,
-          [f"post_{j} = tl.load(post_ptr + rows64 * stride_post + {j}, mask=row_ok, other=0.0)" for j in streams]
-          + [f"comb_{i}_{j} = tl.load(comb_ptr + rows64 * stride_comb + {i * n + j}, mask=row_ok, other=0.0)"
-             for i in streams for j in streams])
-    block("PRE_LOADS", 8,
-          [f"pre_{k} = tl.load(cpre_ptr + rows64 * stride_cpre + {k}, mask=row_ok, other=0.0)" for k in streams])
-    post = ["yf = _widen(y, INTERPRETED)"] + [f"xf_{i} = _widen(x_{i}, INTERPRETED)" for i in streams]
-    post.append("# mHC post: X'[j] = post[j] * y + sum_i comb[i, j] X[i] (C^T X: the sum runs over comb's")
-    post.append("# first index), in fp32, rounded to the stream dtype and stored")
-    for j in streams:
-        mix = " + ".join(f"comb_{i}_{j}[:, None] * xf_{i}" for i in streams)
-        post.append(f"x_{j} = _round(post_{j}[:, None] * yf + ({mix}), INTERPRETED)")
-    post.append("if (LEAVE_STREAM_STORES & LEAVE_OUT) == 0:")
-    for j in streams:
-        post.append(f"    tl.store(xo_ptr + rows64[:, None] * ND + ({j} * D) + d[None, :], x_{j}, mask=ok, "
-                    f"eviction_policy=\"evict_first\")")
-    block("POST_LINES", 12, post)
-    block("F32_LINES", 8, [f"xf_{k} = _widen(x_{k}, INTERPRETED)" for k in streams])
-    block("PROJECT_LINES", 16,
-          [f"acc_{k % 2} = _project(acc_{k % 2}, _opaque(x_{k}, INTERPRETED), {', '.join(pieces[k])}, "
-           f"{'PRESPLIT, ' if bf16 else ''}INTERPRETED)" for k in streams])
+    def sub_setup(sfx: str, first_row: str) -> list[str]:
+        """One sub-tile's rows, per-token scalars and partial sums (before the chunk loop)."""
+        out = [f"rows{sfx} = tile * TILE_T + {first_row}tl.arange(0, SUB_T)",
+               f"row_ok{sfx} = rows{sfx} < T  # tokens past T load zeros and are never stored",
+               f"rows64{sfx} = rows{sfx}.to(tl.int64)",
+               "if HAS_POST:",
+               "    # per-token scalars as [SUB_T] columns: post_j = post[t, j], comb_i_j = comb[t, i, j]"]
+        out += [f"    post_{j}{sfx} = tl.load(post_ptr + rows64{sfx} * stride_post + {j}, mask=row_ok{sfx}, other=0.0)"
+                for j in streams]
+        out += [f"    comb_{i}_{j}{sfx} = tl.load(comb_ptr + rows64{sfx} * stride_comb + {i * n + j}, "
+                f"mask=row_ok{sfx}, other=0.0)" for i in streams for j in streams]
+        out.append("if not FRESH:")
+        out += [f"    pre_{k}{sfx} = tl.load(cpre_ptr + rows64{sfx} * stride_cpre + {k}, mask=row_ok{sfx}, other=0.0)"
+                for k in streams]
+        out += ["# two projection accumulators (even and odd streams): a chunk's 2n tensor-core dots form two",
+                "# independent chains instead of one through a single accumulator (one accumulator per stream",
+                "# took the 16 x 64 sm_90 builds to 255 registers and spills)"]
+        out += [f"acc_{k}{sfx} = tl.full([SUB_T, SLOT], 0.0, dtype=tl.float32)" for k in range(2)]
+        out += [f"sumsq{sfx} = tl.full([SUB_T], 0.0, dtype=tl.float32)",
+                f"csq{sfx} = tl.full([SUB_T], 0.0, dtype=tl.float32)"]
+        return out
+
+    def sub_finish(sfx: str) -> list[str]:
+        acc = _tree_sum([f"acc_{k}{sfx}" for k in range(2)])
+        return [f"_add_partials(acc_ptr, rows64{sfx}, row_ok{sfx}, {acc}, sumsq{sfx}, csq{sfx}, ATOMIC)"]
+
+    def sub_body(sfx: str) -> str:
+        """One sub-tile's share of a chunk, names suffixed with `sfx`."""
+        sub = {"S": sfx}
+        post = [f"yf{sfx} = _widen(y{sfx}, INTERPRETED)"] + [f"xf_{i}{sfx} = _widen(x_{i}{sfx}, INTERPRETED)"
+                                                             for i in streams]
+        post.append("# mHC post: X'[j] = post[j] * y + sum_i comb[i, j] X[i] (C^T X: the sum runs over comb's")
+        post.append("# first index), in fp32, rounded to the stream dtype and stored")
+        for j in streams:
+            mix = " + ".join(f"comb_{i}_{j}{sfx}[:, None] * xf_{i}{sfx}" for i in streams)
+            post.append(f"x_{j}{sfx} = _round(post_{j}{sfx}[:, None] * yf{sfx} + ({mix}), INTERPRETED)")
+        post.append("if (LEAVE_STREAM_STORES & LEAVE_OUT) == 0:")
+        for j in streams:
+            post.append(f"    tl.store(xo_ptr + rows64{sfx}[:, None] * ND + ({j} * D) + d[None, :], x_{j}{sfx}, "
+                        f"mask=ok{sfx}, eviction_policy=\"evict_first\")")
+        sub["POST_LINES"] = "\n".join("    " + r for r in post)
+        sub["F32_LINES"] = "\n".join(f"xf_{k}{sfx} = _widen(x_{k}{sfx}, INTERPRETED)" for k in streams)
+        sub["SUMSQ_EXPR"] = " + ".join(f"xf_{k}{sfx} * xf_{k}{sfx}" for k in streams)
+        sub["COLLAPSE_EXPR"] = " + ".join(f"pre_{k}{sfx}[:, None] * xf_{k}{sfx}" for k in streams)
+        return _SUB_BODY.substitute(sub).rstrip("\n")
+
+    def project(k: int, sfx: str) -> str:
+        return (f"acc_{k % 2}{sfx} = _project(acc_{k % 2}{sfx}, _opaque(x_{k}{sfx}, INTERPRETED), "
+                f"{', '.join(pieces[k])}, {'PRESPLIT, ' if bf16 else ''}INTERPRETED)")
+
+    # per stream, every sub-tile's dots with fn's block, one after the other (its pieces are split
+    # once and die at once)
+    block("PROJECT_LINES", 8, [line for k in streams
+                               for line in (project(k, ""), "if SUB_TILES > 1:", "    " + project(k, SUB_SUFFIX[1]))])
+    guarded = ["if SUB_TILES > 1:"]
+    block("SUB_SETUP", 4, sub_setup("", "") + guarded + ["    " + r for r in sub_setup(SUB_SUFFIX[1], "SUB_T + ")])
+    block("SUB_FINISH", 4, sub_finish("") + guarded + ["    " + r for r in sub_finish(SUB_SUFFIX[1])])
+    block("SUB_BODY", 0, sub_body("").split("\n"))
+    block("SUB_BODY_S1", 4, sub_body(SUB_SUFFIX[1]).split("\n"))
     block("FRESH_PRE_LINES", 4,
           [f"pre_{k} = tl.load(pre_ptr + rows64 * N + {k}, mask=row_ok, other=0.0, cache_modifier=\".cg\")"
            for k in streams])
@@ -1089,8 +1166,7 @@ def generate_source(spec: MhcSpec) -> str:
           [f"x_{k} = tl.load(x_ptrs{step(k, 'D')}, mask=ok, other=0.0, cache_modifier=\".cg\")" for k in streams])
     block("FRESH_X_LINES", 12,
           [f"x_{k} = tl.load(x_ptrs{step(k, 'stride_xk')}, mask=ok, other=0.0)" for k in streams])
-    block("ACC_INIT", 4, [f"acc_{k} = tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32)" for k in range(2)])
-    lines["ACC_SUM"] = _tree_sum([f"acc_{k}" for k in range(2)])
+    block("F32_LINES", 8, [f"xf_{k} = _widen(x_{k}, INTERPRETED)" for k in streams])
     block("GATE_LINES", 8, _gate_lines(spec))
     block("COMB_LINES", 8, _comb_lines(spec))
     lines["TRACE_EVENTS"] = len(TRACE_EVENTS)
@@ -1099,7 +1175,6 @@ def generate_source(spec: MhcSpec) -> str:
     lines["TRACE_CONSTANTS"] = "\n".join(
         [f"EV_{name.upper()} = tl.constexpr({i})" for i, name in enumerate(TRACE_EVENTS)]
         + [f"ROLE_{name.upper().replace(' ', '_')} = tl.constexpr({i})" for i, name in enumerate(TRACE_ROLES)])
-    lines["SUMSQ_EXPR"] = " + ".join(f"xf_{k} * xf_{k}" for k in streams)
     lines["COLLAPSE_EXPR"] = " + ".join(f"pre_{k}[:, None] * xf_{k}" for k in streams)
 
     math_doc = []
@@ -1121,7 +1196,7 @@ def generate_source(spec: MhcSpec) -> str:
     spec_line = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(spec).items())
     body = _CHUNK_BODY.substitute(lines)
     lines["BUFFERED_BODY"] = lines["PIPELINED_BODY"] = "\n".join(
-        ("    " + line) if line.strip() else line for line in body.rstrip("\n").split("\n"))
+        (" " * 12 + line) if line.strip() else line for line in body.rstrip("\n").split("\n"))
     return _TEMPLATE.substitute(
         KEY=spec.key(), SPEC_LINE=spec_line, FORM=spec.form(), N=n, D=spec.dim,
         DTYPE_NAME=spec.stream_dtype, MATH_DOC="\n".join(math_doc), CONSTANTS=_constants(spec),
@@ -1146,9 +1221,9 @@ def source_path(spec: MhcSpec):
 class LaunchConfig:
     """Tiling of one launch.
 
-    tile_t       tokens per program (a power of two >= 16: the M of the projection dot)
+    tile_t       tokens per token tile (a power of two >= 16); a stage-A job sweeps one tile
     block_d      columns per chunk of the sweep (a power of two >= 16: the K of the dot); every
-                 stream's chunk is a [tile_t, block_d] register tile
+                 stream's chunk is a [tile_t / sub_tiles, block_d] register tile
     split_cols   columns of D per stage-A job (a multiple of block_d); >= D is the tiled variant
     r_splits     split variant: rescale jobs per token tile; 0 = the tile's last arrival rescales
     pipeline_stages  0: stage A double-buffers one chunk ahead in registers; k >= 2: the chunk
@@ -1164,6 +1239,10 @@ class LaunchConfig:
                  ahead in registers; k >= 2: its loads are pipelined by Triton through shared
                  memory, k - 1 blocks ahead (the sweep's shared memory is free by then: no more
                  per program on sm_90)
+    sub_tiles    1, or 2 with pipeline_stages >= 2: stage A sweeps the tile as two register tiles
+                 of tile_t / 2 tokens (the M of the projection dot, >= 16) that share each chunk's
+                 block of fn, loaded and split once (its L2 traffic halved; sm_90: 1292 instead
+                 of 2 x 792 instructions per chunk, 255 registers)
     """
     tile_t: int
     block_d: int
@@ -1174,60 +1253,76 @@ class LaunchConfig:
     pipeline_stages: int = 0
     presplit_fn: bool = False
     rescale_stages: int = 0
+    sub_tiles: int = 1
 
     def variant(self, dim: int) -> str:
         return "tiled" if self.split_cols >= dim else "split"
 
 
 # CUDA launch table: the fastest correct configuration of tools/bench_mhc.py --sweep on one H200
-# (D=5120, n=4, bf16 streams, delayed seam, CUDA-graph replay; results/bench_mhc.json "sweep").
-# Rows: (max T, tile_t, block_d, split_cols, r_splits, warps, pipeline_stages, presplit_fn).
+# (D=5120, n=4, bf16 streams, delayed seam, CUDA-graph replay; results/bench_mhc.json "sweep", and
+# results/bench_mhc_runs/stop12_experiments.json for T = 1024 and 2048). Rows: (max T, config).
 #   T=1    160 one-chunk stage-A jobs of 32 columns + 10   6.32 us (80 64-column jobs 6.47, the same
 #          rescale jobs                                           with 2 warps 6.45; ahead in the
 #                                                                 last two runs, by 2%: near the noise)
-#   T=64   4 tiles x 40 slices + 10 rescale jobs a tile,  10.7 us (not pipelined 11.7, one-chunk jobs
-#          stage A pipelined 2 deep                              12.0, presplit fn 12.8; the last run
-#                                                                11.1 against 11.9 / 12.2 / 13.1)
-#   T=512  32 tiles x 8 slices + 5 rescale jobs a tile,   27.0 us (4 rescale jobs a tile 27.3, presplit
-#          stage A pipelined 3 deep                              fn 28.7, 12 chunks a slice 29.2, 10
-#                                                                slices of 32-column chunks 31.9)
+#   T=64   4 tiles x 27 slices of 3 chunks + 10 rescale   12.36 us on a slow instance (2 chunks a
+#          jobs a tile, stage A pipelined 2 deep                 slice 12.86, 3 deep 12.96, not
+#                                                                pipelined 13.02, one-chunk jobs 14.9)
+#   T=512  32 tiles x 8 slices + 10 rescale jobs a tile   25.42 us (5 rescale jobs a tile 26.22, 4
+#          (one 512-column block each), pipelined 3 deep        26.54, 2 deep 30.1, 12 chunks a
+#                                                                slice 29.3, rescale_stages 3 26.9)
 #          (256 stage-A jobs: at most two per SM; 10 slices left 56 SMs with three and 76 with two)
-# Above SPLIT_MAX_T the tiled variant: one 16-token tile per program (256 programs at T=4096),
-# stage A pipelined 3 deep: 171.6 us (fn split once per launch first 171.8, and 2 deep 209.4; split
-# in two with rescale jobs 173.3, split in two finished by the last arrival 187.0; earlier runs:
-# 32-token tiles 243.5). (Before _round / _widen converted values in pairs, fn split once per launch
-# won there: 169.8 against 178.2; the pairs took the split's share of stage A down with the rest.)
-# The rescale's loads pipelined 3 deep (rescale_stages): 166.0 us against 174.2 without in the
-# sweep (and 172.1 / 171.9 against 177.5 / 178.8 interleaved in an earlier run; 2 deep 172.7, 4 deep
-# 171.5 there): the tail after the sweep, where every tile re-reads its parked collapse, then moves
-# more bytes per program at once. At T=1 and 512 it measured no better (6.58 / 27.1 against
-# 6.40 / 26.7 us), so the split rows keep 0.
-# 16-token tiles win everywhere: two or three 4-warp programs share an SM, and more, smaller
-# programs hide the sweep's memory latency better than larger tiles amortise fn; 64-column chunks
-# (128 B of a bf16 row) beat 32-column ones wherever registers allow two programs per SM. The
-# threshold 2048 is where the tiled variant reaches one program per SM (128 at T=2048); between
-# 512 and 4096 it is not measured. presplit_fn only applies to bf16 streams with coefficients
-# (choose_config drops it otherwise). Sweep of one run: neighbours within ~3% trade places between
-# runs. Also measured slower at every T (results/bench_mhc_runs/stop10_experiments.json,
-# stop11_experiments.json): 64-token tiles (a wgmma projection that reads fn a quarter as often),
-# 32-column presplit rows at three programs per SM, rescale jobs claimed a few tiles after their
-# tile's stage A (so that they read a parked collapse still in L2), one accumulator per stream.
-SPLIT_MAX_T = 2048
+#   T=1024 32 tiles of 32 tokens (two 16-token sub-tiles)  43.26 us (16-token tiles, 640 columns
+#          x 8 slices + 7 rescale jobs a tile                    49.5, 1280 columns 45.9;
+#                                                                rescale_stages 3 48.9)
+#   T=2048 64 tiles of 32 tokens x 4 slices + 4 rescale   79.0 us (8 slices 83.0; the T=512 row
+#          jobs a tile, rescale pipelined 3 deep                 96.7 in the same run)
+#   above  tiles of 32 tokens x 2 slices + 4 rescale jobs 150.5 us at T=4096 (rescale 2 deep 155.6,
+#          a tile, rescale pipelined 3 deep                      not pipelined 158.3, stage A 4 deep
+#                                                                225, 3 slices 175.6; 16-token tiles
+#                                                                tiled 172.4 in the same run as 156.2)
+# From T=1024 on, stage A sweeps 32-token tiles as two 16-token sub-tiles (`sub_tiles`): each chunk
+# of fn is loaded and split once for 32 tokens, which halves fn's traffic from L2 (504 MB at
+# T=4096 with 16-token tiles, more than the launch's 422 MB of HBM traffic) and takes ~18% of the
+# instructions per token (sm_90: 1292 per two-sub-tile chunk against 2 x 792); at T=512 its jobs
+# are too short to gain (5 chunks each: 28.0 against 26.4 us) and at T=64 too few (14.3 against 12.9).
+# Only where stage A projects onto fn's bf16 pieces (choose_config): other forms run the sub-tiles
+# as 16-token tiles. Split jobs then give the GPU its programs (about 256 stage-A jobs: two per
+# SM); the tiled variant (one program per tile, nothing shared) stays for the CPU and a forced
+# variant="tiled". The chunk body's order matters too: each sub-tile's collapse comes before the
+# projection dots (X' widened to fp32 then dies before the dots), which took the T=64 build from
+# 212 to 170 registers and measured 11.03 against 12.02 us at T=64 and 26.31 against 27.02 at
+# T=512 (the same instance, interleaved; T=1 unchanged).
+# 64-column chunks (128 B of a bf16 row) beat 32-column ones wherever registers allow two programs
+# per SM. presplit_fn only applies to bf16 streams with coefficients (choose_config drops it
+# otherwise; no row uses it now: 155.3 against 156.2 us at T=4096, within the noise, for a second
+# launch). Sweep of one run: neighbours within ~3% trade places between runs, and instances differ
+# by up to ~10% at T=64. Also measured slower at every T (results/bench_mhc_runs/
+# stop10_experiments.json, stop11_experiments.json): 64-token register tiles (a wgmma projection
+# that reads fn a quarter as often), 32-column presplit rows at three programs per SM, rescale jobs
+# claimed a few tiles after their tile's stage A (so that they read a parked collapse still in L2),
+# one accumulator per stream.
 _CUDA_TABLE = (
-    (16, 16, 32, 32, 16, 4, 0, False),
-    (128, 16, 64, 128, 32, 4, 2, False),
-    (SPLIT_MAX_T, 16, 64, 640, 8, 4, 3, False),
+    (16, LaunchConfig(16, 32, 32, 16)),
+    (128, LaunchConfig(16, 64, 192, 32, pipeline_stages=2)),
+    (512, LaunchConfig(16, 64, 640, 10, pipeline_stages=3)),
+    (1024, LaunchConfig(32, 64, 640, 8, pipeline_stages=3, sub_tiles=2)),
+    (2048, LaunchConfig(32, 64, 1280, 4, pipeline_stages=3, sub_tiles=2, rescale_stages=3)),
+    (None, LaunchConfig(32, 64, 2560, 4, pipeline_stages=3, sub_tiles=2, rescale_stages=3)),
 )
-# above SPLIT_MAX_T: tile_t, block_d, warps, pipeline_stages, presplit_fn, rescale_stages
-_CUDA_TILED = (16, 64, 4, 3, False, 3)
+# variant="tiled" on CUDA: 16-token tiles, the whole row per program (171.6 us at T=4096, stop 11)
+_CUDA_TILED = LaunchConfig(16, 64, 1 << 30, pipeline_stages=3, rescale_stages=3)
 
 
 def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = "cuda",
                   variant: str | None = None) -> LaunchConfig:
-    """The launch configuration for `n_tokens` tokens (the variant from T unless forced).
+    """The launch configuration for `n_tokens` tokens.
 
-    CUDA: `split` for T <= SPLIT_MAX_T, `tiled` above, from the table above (tuned at D=5120; for
-    other D the same column counts per job apply, and a D too small to split gets 16-column slices).
+    CUDA: the table above (tuned at D=5120 on the delayed seam), adapted to the spec: for other D
+    the same column counts per job apply, and a D too small to split gets 16-column slices; fn's
+    presplit, the rescale's pipeline and sub-tiles only where stage A projects onto fn's bf16
+    pieces (elsewhere a sub-tiled row's sub-tiles become tiles of their own).
+    `variant` forces "split" (the table's rows are all split) or "tiled".
     CPU (the interpreter): few, large programs, since every interpreted op costs about the same.
     """
     if variant not in (None, "split", "tiled"):
@@ -1236,35 +1331,33 @@ def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = 
     D = spec.dim
     if device.type != "cuda":
         block_d = min(64, max(16, _next_pow2(D) // 4))
-        if variant is None:
-            variant = "tiled"
-        if variant == "tiled":
+        if variant in (None, "tiled"):
             return LaunchConfig(16, block_d, _round_up(D, block_d))
         split_cols = _round_up(-(-D // 2), block_d)
         if split_cols >= D:  # too small to halve at this block: one 16-column block per slice
             block_d = split_cols = 16
         return LaunchConfig(16, block_d, split_cols, r_splits=0)
-    if variant is None:
-        variant = "split" if n_tokens <= SPLIT_MAX_T else "tiled"
-    bf16_fn = _projects_bf16_pieces(spec)
     if variant == "tiled":
-        tile_t, block_d, warps, stages, presplit, rescale_stages = _CUDA_TILED
-        # the rescale's pipeline fits in stage A's shared memory only where stage A stages fn's
-        # blocks too; elsewhere it would take more per program
-        # (fp32 final collapse on sm_90: 69632 B instead of 40960, three programs per SM, not four)
-        return LaunchConfig(tile_t, block_d, _round_up(D, block_d), num_warps=warps, pipeline_stages=stages,
-                            presplit_fn=presplit and bf16_fn, rescale_stages=rescale_stages if bf16_fn else 0)
-    row = next((r for r in _CUDA_TABLE if n_tokens <= r[0]), _CUDA_TABLE[-1])
-    _, tile_t, block_d, split_cols, r_splits, warps, stages, presplit = row
-    if split_cols >= D:  # D too small to split at these sizes: 16-column slices
-        block_d = split_cols = 16
-    return LaunchConfig(tile_t, block_d, split_cols, r_splits, num_warps=warps, pipeline_stages=stages,
-                        presplit_fn=presplit and bf16_fn)
+        cfg = dataclasses.replace(_CUDA_TILED, split_cols=_round_up(D, _CUDA_TILED.block_d))
+    else:
+        cfg = next(c for max_t, c in _CUDA_TABLE if max_t is None or n_tokens <= max_t)
+        if cfg.split_cols >= D:  # D too small to split at these sizes: 16-column slices
+            cfg = dataclasses.replace(cfg, block_d=16, split_cols=16)
+    bf16_fn = _projects_bf16_pieces(spec)
+    if not bf16_fn and cfg.sub_tiles > 1:  # the sub-tiles as tiles of their own (see the table)
+        cfg = dataclasses.replace(cfg, tile_t=cfg.tile_t // cfg.sub_tiles, sub_tiles=1)
+    # the rescale's pipeline fits in stage A's shared memory only where stage A stages fn's blocks
+    # too; elsewhere it would take more per program
+    # (fp32 final collapse on sm_90: 69632 B instead of 40960, three programs per SM, not four)
+    return dataclasses.replace(cfg, presplit_fn=cfg.presplit_fn and bf16_fn,
+                               rescale_stages=cfg.rescale_stages if bf16_fn else 0)
 
 
 def _projects_bf16_pieces(spec: MhcSpec) -> bool:
     """Stage A projects onto fn's bf16 pieces (bf16 streams with coefficients): the forms where fn
-    can be split beforehand (presplit_fn) and whose pipeline stages fn's blocks (rescale_stages)."""
+    can be split beforehand (presplit_fn), whose pipeline stages fn's blocks (rescale_stages), and
+    where two sub-tiles sharing those blocks fit two programs per SM (sub_tiles; with fp32 streams
+    the sm_90 build spills ~600 B and holds one program per SM)."""
     return spec.has_coefficients and spec.stream_dtype == "bfloat16"
 
 
@@ -1324,10 +1417,13 @@ def reserve_sync(spec: MhcSpec, max_tokens: int, device: torch.device | str = "c
     """Allocate the persistent buffers launches of up to `max_tokens` need (call before capturing
     a CUDA graph, or run one eager launch at the largest token count)."""
     device = torch.device(device)
-    t = min(max_tokens, SPLIT_MAX_T)
-    cfg = choose_config(spec, t, device=device, variant="split")
-    n_tiles = -(-t // cfg.tile_t)
-    _split_buffers(device, n_tiles, n_tiles * cfg.tile_t * _slot_width(spec.n))
+    # the most token tiles any launch up to max_tokens has: at the top of each band of the table
+    # (a band of shorter tiles may have more tiles than the next band's first sizes)
+    sizes = [max_tokens] + [t for t, _ in _CUDA_TABLE if t is not None and t < max_tokens]
+    tiles = [(-(-t // cfg.tile_t), cfg.tile_t) for t in sizes
+             for cfg in [choose_config(spec, t, device=device, variant="split")]]
+    n_tiles = max(n for n, _ in tiles)
+    _split_buffers(device, n_tiles, max(n * tile_t for n, tile_t in tiles) * _slot_width(spec.n))
 
 
 def reset_sync(device: torch.device | str = "cuda") -> None:
@@ -1421,6 +1517,11 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
             or cfg.rescale_stages == 1:
         raise ValueError(f"mega_mhc: inconsistent launch config {cfg}: tile_t and block_d must be powers of "
                          "two >= 16, split_cols a multiple of block_d, r_splits >= 0, rescale_stages 0 or >= 2")
+    if cfg.sub_tiles not in range(1, MAX_SUB_TILES + 1) or cfg.tile_t // cfg.sub_tiles < 16 \
+            or (cfg.sub_tiles > 1 and cfg.pipeline_stages < 2):
+        raise ValueError(f"mega_mhc: inconsistent launch config {cfg}: sub_tiles must be 1..{MAX_SUB_TILES}, "
+                         "with tile_t / sub_tiles >= 16 (the projection dot's M), and sub_tiles > 1 needs "
+                         "pipeline_stages >= 2")
     if cfg.presplit_fn and not _projects_bf16_pieces(spec):
         raise ValueError(f"mega_mhc: presplit_fn needs bf16 streams and coefficients (fn), not the "
                          f"{spec.stream_dtype} {spec.form()} form: {cfg}")
@@ -1517,7 +1618,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         T, x_stride[0], x_stride[1], y.stride(0) if y is not None else 0,
         post.stride(0) if post is not None else 0, comb.stride(0) if comb is not None else 0,
         carried_pre.stride(0) if carried_pre is not None else 0, n_tiles,
-        TILE_T=cfg.tile_t, BLOCK_D=cfg.block_d, N_CHUNKS=plan["n_chunks"],
+        TILE_T=cfg.tile_t, SUB_TILES=cfg.sub_tiles, BLOCK_D=cfg.block_d, N_CHUNKS=plan["n_chunks"],
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
         R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], PIPELINE_STAGES=cfg.pipeline_stages,
         RESCALE_STAGES=cfg.rescale_stages,

@@ -8,8 +8,8 @@ RMSNorm), 20 Sinkhorn iterations, eps 1e-6 / 1e-20; T in {1, 64, 512, 4096}. In 
 
 1. correctness first, on CUDA: every seam form (delayed, first/Engram, final collapse, V4 fresh
    with and without post) in bf16 plus the delayed form in fp32, each through the split variant
-   (last-arrival and epilogue-job modes) and the tiled one, on fresh random inputs with the outputs
-   poisoned (NaN) beforehand, against `mega_mhc.reference` (cuBLAS fp32); a CUDA-graph capture
+   (last-arrival and epilogue-job modes, stage A in one tile or two sub-tiles) and the tiled one,
+   on fresh random inputs with the outputs poisoned (NaN) beforehand, against `mega_mhc.reference` (cuBLAS fp32); a CUDA-graph capture
    replayed on new inputs; the persistent sync state all-zero at the end;
 2. `--sweep`: a set of launch configurations per T (correct first, then graph-replay time); the
    fastest correct one is what step 3 times (the data behind `mega_mhc.choose_config`);
@@ -144,6 +144,13 @@ def correctness_suite(device, dry: bool, log) -> list:
                  ("v4_fresh/epilogue-jobs", dataclasses.replace(delayed, pre="fresh"), 70, None,
                   LaunchConfig(16, 64, 512, r_splits=8)),
                  ("delayed", delayed, 2100, "tiled", None)]
+    # two sub-tiles per token tile (the tuned rows from T=1024 on), every form that has them, a
+    # last tile whose second sub-tile is partly (T = 2100, 1100) or wholly (T = 1040) past T
+    first = MhcSpec(4, D, 20, 1e-6, 1e-20, 1e-20, False, True, "carried", "bfloat16")
+    sub = LaunchConfig(32, 32, 64, r_splits=3, pipeline_stages=3, sub_tiles=2, rescale_stages=2) if dry else None
+    runs += [("delayed/sub-tiles", delayed, 37 if dry else 2100, None, sub),
+             ("v4_fresh/sub-tiles", dataclasses.replace(delayed, pre="fresh"), 21 if dry else 1100, None, sub),
+             ("first_or_engram/sub-tiles", first, 37 if dry else 1040, None, sub)]
     # fn split once per launch: the tiled and the epilogue-job split variants, delayed and fresh
     runs += [("delayed/presplit-fn", delayed, 37 if dry else 600, None,
               LaunchConfig(16, 32, 4096 if dry else 5120, pipeline_stages=3, presplit_fn=True)),
@@ -152,7 +159,8 @@ def correctness_suite(device, dry: bool, log) -> list:
     fp32 = dataclasses.replace(delayed, stream_dtype="float32")
     runs += [("delayed fp32", fp32, 37, "split", None)] + ([("delayed fp32", fp32, 3, "tiled", None)] if dry else [])
     odd = dataclasses.replace(delayed, dim=odd_D)
-    runs += [("delayed odd D", odd, 5, "split", None), ("delayed odd D", odd, 37, "tiled", None)]
+    runs += [("delayed odd D", odd, 5, "split", None), ("delayed odd D", odd, 37, "tiled", None),
+             ("delayed odd D/sub-tiles", odd, 37 if dry else 1100, None, sub)]
     for i, (name, spec, T, variant, cfg) in enumerate(runs):
         t0 = time.time()
         try:
@@ -206,29 +214,27 @@ def sync_state_clean() -> dict:
 
 def sweep_configs(T: int) -> list[LaunchConfig]:
     """Launch configurations timed by --sweep (after the tuned one): per band of T, the tuned row's
-    neighbours in tiling and warps, stage A pipelined by Triton (`pipeline_stages`), and fn split
-    once per launch (`presplit_fn`) where token tiles would split it many times over."""
+    neighbours in tiling, rescale jobs and pipelining, and, from T=1024 on, the split tiles' sizes
+    with and without sub-tiles and the tiled variant."""
     C = LaunchConfig
     if T <= 16:
         return [C(16, 64, 64, 8), C(16, 32, 32, 16, num_warps=2), C(16, 32, 64, 8)]
     if T <= 128:
-        return [C(16, 64, 128, 32), C(16, 64, 64, 32), C(16, 32, 64, 16, pipeline_stages=2),
-                C(16, 64, 192, 32, pipeline_stages=2), C(16, 64, 128, 32, pipeline_stages=3, presplit_fn=True)]
+        return [C(16, 64, 128, 32, pipeline_stages=2), C(16, 64, 128, 16, pipeline_stages=2),
+                C(16, 64, 192, 32, pipeline_stages=3), C(16, 64, 256, 32, pipeline_stages=2),
+                C(16, 64, 192, 32)]
     if T <= 1024:
-        # 32 tiles x 10 slices = 320 stage-A jobs over 132 SMs hold at most 2 or 3 per SM: 56 SMs run
-        # three (48 chunks each), 76 two; 8 slices of 640 columns (256 jobs) put at most 40 on an SM
-        return [C(16, 32, 512, 8, pipeline_stages=3), C(16, 32, 640, 8, pipeline_stages=3),
-                C(16, 64, 768, 8, pipeline_stages=3), C(16, 64, 640, 4, pipeline_stages=3),
-                C(16, 64, 640, 8, pipeline_stages=3, presplit_fn=True),
-                C(32, 32, 320, 8, pipeline_stages=3, presplit_fn=True)]
-    # the tiled variant rescales every tile at the end (every parked collapse re-read at once);
-    # a tile split in slices whose last arrival rescales it (r_splits=0) does so right after the
-    # tile's sweep instead, and split tiles with rescale jobs spread it over the GPU
-    # (the tuned row pipelines the rescale's loads too: rescale_stages=3; here without it, and fn split first)
-    return [C(16, 64, 5120, pipeline_stages=3), C(16, 64, 5120, pipeline_stages=3, presplit_fn=True, rescale_stages=3),
-            C(16, 64, 5120, pipeline_stages=2, presplit_fn=True),
-            C(16, 64, 2560, 0, pipeline_stages=3, presplit_fn=True),
-            C(16, 64, 2560, 4, pipeline_stages=3, presplit_fn=True)]
+        # 32 tiles x 8 slices = 256 stage-A jobs over 132 SMs: at most two per SM (10 slices put
+        # three on 56 SMs); 10 rescale jobs a tile are one 512-column block each
+        return [C(16, 64, 640, 8, pipeline_stages=3), C(16, 64, 640, 4, pipeline_stages=3),
+                C(16, 64, 640, 10, pipeline_stages=2), C(16, 64, 768, 10, pipeline_stages=3),
+                C(16, 64, 640, 10, pipeline_stages=3, presplit_fn=True),
+                C(32, 64, 320, 8, pipeline_stages=3, sub_tiles=2)]
+    return [C(32, 64, 2560, 4, pipeline_stages=3, sub_tiles=2), C(32, 64, 2560, 8, pipeline_stages=3, sub_tiles=2,
+                                                                  rescale_stages=3),
+            C(32, 64, 2560, 4, pipeline_stages=3, sub_tiles=2, rescale_stages=3, presplit_fn=True),
+            C(16, 64, 2560, 4, pipeline_stages=3, rescale_stages=3),
+            C(16, 64, 5120, pipeline_stages=3, rescale_stages=3)]
 
 
 def run_sweep(T: int, device, log) -> list:

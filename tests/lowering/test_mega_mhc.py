@@ -31,13 +31,18 @@ FORMS = {  # name -> (has_post, has_coefficients, pre)
 # and the split one with epilogue jobs (the rescale, and a fresh collapse, in jobs of their own);
 # then the tiled and the epilogue-job split variants with stage A's loop pipelined by Triton; then
 # both with the rescale's loop pipelined (rescale_stages), over three column blocks per tile
-# (128-token tiles: 64-column blocks) and two per rescale job (64-token tiles: 128-column blocks)
+# (128-token tiles: 64-column blocks) and two per rescale job (64-token tiles: 128-column blocks);
+# then stage A in two 16-token sub-tiles (sub_tiles): tiled with the second sub-tile part past T
+# (tokens 16..20 of 21), and split with epilogue jobs where the last tile's second sub-tile is
+# wholly past T (tokens 32..36 of 37, then 48..63)
 CASES = ((37, "tiled"), (3, "split"), (1, LaunchConfig(16, 32, 64, r_splits=2)),
          (37, LaunchConfig(16, 32, 64, r_splits=3)),
          (21, LaunchConfig(16, 32, 4096, pipeline_stages=3)),
          (5, LaunchConfig(16, 32, 64, r_splits=2, pipeline_stages=2)),
          (37, LaunchConfig(128, 32, 4096, rescale_stages=3)),
-         (37, LaunchConfig(64, 32, 64, r_splits=1, rescale_stages=2)))
+         (37, LaunchConfig(64, 32, 64, r_splits=1, rescale_stages=2)),
+         (21, LaunchConfig(32, 32, 4096, pipeline_stages=2, sub_tiles=2)),
+         (37, LaunchConfig(32, 32, 64, r_splits=3, pipeline_stages=3, sub_tiles=2, rescale_stages=2)))
 
 
 @pytest.fixture(autouse=True)
@@ -339,14 +344,59 @@ def test_inconsistent_launch_configs_are_refused(bad):
         mega_mhc(*make_inputs(spec, 3, seed=0), spec, config=cfg)
 
 
+@pytest.mark.parametrize("bad", [dict(sub_tiles=3, tile_t=64), dict(sub_tiles=4, tile_t=64), dict(sub_tiles=0),
+                                 dict(sub_tiles=2, tile_t=16), dict(sub_tiles=2, pipeline_stages=0)])
+def test_inconsistent_sub_tiles_are_refused(bad):
+    # the generated code holds at most two sub-tiles, each at least the dot's 16 rows, and only the
+    # pipelined loop sweeps them (the register double-buffered one holds one tile's prefetch)
+    spec = make_spec()
+    cfg = dataclasses.replace(LaunchConfig(32, 32, 64, r_splits=2, pipeline_stages=2), **bad)
+    with pytest.raises(ValueError, match="inconsistent launch config.*sub_tiles must be 1..2, with tile_t / "
+                                         "sub_tiles >= 16.*needs pipeline_stages >= 2"):
+        mega_mhc(*make_inputs(spec, 3, seed=0), spec, config=cfg)
+
+
 def test_choose_config_pipelines_the_rescale_only_where_measured_and_free():
-    # the T > 2048 row pipelines the rescale (measured on the bf16 delayed seam); where stage A
+    # the T > 1024 rows pipeline the rescale (measured on the bf16 delayed seam); where stage A
     # stages no fn blocks its pipeline is smaller than the rescale's, so those forms keep 0
-    big = 2 * mm.SPLIT_MAX_T
+    big = 4096
     assert mm.choose_config(make_spec("delayed", "bfloat16", dim=5120), big).rescale_stages == 3
     assert mm.choose_config(make_spec("first_seam", "bfloat16", dim=5120), big).rescale_stages == 3
     for spec in (make_spec("delayed", "float32", dim=5120), make_spec("final_collapse", "bfloat16", dim=5120)):
         assert mm.choose_config(spec, big).rescale_stages == 0
-    for T in (1, 64, 512):
+    for T in (1, 64, 512, 1024):
         assert mm.choose_config(make_spec("delayed", "bfloat16", dim=5120), T).rescale_stages == 0
     assert mm.choose_config(make_spec("delayed", "bfloat16"), big, device="cpu").rescale_stages == 0
+
+
+def test_choose_config_sub_tiles_only_where_fn_pieces_are_shared():
+    # from T=1024 on the bf16 forms with coefficients sweep 32-token tiles as two sub-tiles; the
+    # others get the same slices with 16-token tiles (twice the tiles, the same tokens per job)
+    for form in ("delayed", "first_seam", "v4_fresh"):
+        spec = make_spec(form, "bfloat16", dim=5120)
+        assert [(c.tile_t, c.sub_tiles) for c in (mm.choose_config(spec, T) for T in (512, 1024, 4096))] \
+            == [(16, 1), (32, 2), (32, 2)]
+    for spec in (make_spec("delayed", "float32", dim=5120), make_spec("final_collapse", "bfloat16", dim=5120)):
+        sub2 = mm.choose_config(make_spec("delayed", "bfloat16", dim=5120), 4096)
+        cfg = mm.choose_config(spec, 4096)
+        assert (cfg.tile_t, cfg.sub_tiles) == (16, 1)
+        assert (cfg.block_d, cfg.split_cols, cfg.r_splits) == (sub2.block_d, sub2.split_cols, sub2.r_splits)
+    # every CUDA row is split; the tiled variant only when forced (and on the CPU)
+    spec = make_spec("delayed", "bfloat16", dim=5120)
+    assert all(mm._plan(spec, mm.choose_config(spec, T), T)["variant"] == "split" for T in (1, 64, 512, 4096, 10 ** 5))
+    assert mm._plan(spec, mm.choose_config(spec, 4096, variant="tiled"), 4096)["variant"] == "tiled"
+    assert mm.choose_config(spec, 4096, device="cpu").sub_tiles == 1
+
+
+def test_reserve_sync_covers_every_smaller_launch(monkeypatch):
+    # the table's 16-token band has more tiles at T=512 (32) than the 32-token band at T=544 (17);
+    # reserve_sync sizes for the most of any launch up to max_tokens, so none allocates later
+    grown = []
+    monkeypatch.setattr(mm, "_split_buffers", lambda device, n_tiles, acc: grown.append((n_tiles, acc)))
+    spec = make_spec("delayed", "bfloat16", dim=5120)
+    mm.reserve_sync(spec, 544, device="cuda")  # (the table only: _split_buffers is replaced)
+    plans = [mm._plan(spec, mm.choose_config(spec, T, device="cuda"), T) for T in range(1, 545)]
+    configs = [mm.choose_config(spec, T, device="cuda") for T in range(1, 545)]
+    assert grown == [(max(p["n_tiles"] for p in plans),
+                      max(p["n_tiles"] * c.tile_t for p, c in zip(plans, configs)) * mm._slot_width(4))]
+    assert grown[0][0] == 32
