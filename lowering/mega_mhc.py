@@ -106,20 +106,20 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json): CUDA-graph replay 6.3 / 12.3 / 25.4 / 153 us at
-T = 1 / 64 / 512 / 4096 against 61 / 96 / 301 / 1770 us for the same chain under torch.compile (an
-instance slow at T=64: the stop-11 kernel measured 10.4 us there on another, 12.0 on one of this
-stop's). Where the time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the
-first start): at T=1, job claim 0.5 us, stage A done 1.9-2.4, arrived 3.0-3.9 (the release fence
-waits for the partial-sum atomics), rescale done 4.5-4.7, coefficients + Sinkhorn done 5.8 (the
-last program; Sinkhorn's rounds are ~1.4 us of it); at T=64 stage A takes 4.6 us (median; three
-[16, 64] chunks: one warp's instruction latency with one or two programs per SM), then the merge
-and Sinkhorn ~3 us after the last arrival; at T=4096 the stage-A jobs end at 122-130 us, the
-merges at 130-141 and the rescale jobs at 139-150 (the parked collapse is re-read, much of it from
-HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the launch with each of
-LEAVE_OUT_PARTS compiled out; measured before the paired conversions and sub-tiles): the
-projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at T=512, 24 of 145
-at T=4096), then fn's loads.
+Measured (H200, results/bench_mhc.json): CUDA-graph replay 5.9 / 11.3 / 24.8 / 146 us at
+T = 1 / 64 / 512 / 4096 against 61 / 93 / 301 / 1780 us for the same chain under torch.compile
+(instances differ: the stop-11 kernel measured 10.4 us at T=64 on one, 12.0 on another). Where the
+time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the first start): at T=1,
+job claim 0.5 us, stage A done 2.0-2.5, arrived 2.7-3.2 (the release fence waits for the
+partial-sum atomics), rescale done 3.9-4.2, coefficients + Sinkhorn done 5.3 (the last program;
+Sinkhorn's rounds are ~1.4 us of it); at T=64 stage A takes 4.7 us (median; three [16, 64]
+chunks: one warp's instruction latency with one or two programs per SM; the slowest jobs 7.7),
+then the merge and Sinkhorn ~2 us after the last arrival; at T=4096 the stage-A jobs end at
+120-129 us, the merges at 126-133 and the rescale jobs at 136-143 (the parked collapse is
+re-read, much of it from HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the
+launch with each of LEAVE_OUT_PARTS compiled out; measured before the paired conversions and
+sub-tiles): the projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at
+T=512, 24 of 145 at T=4096), then fn's loads.
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
 launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
 """
@@ -458,12 +458,13 @@ $SUB_FINISH
 
 
 @triton.jit
-def _add_partials(acc_ptr, rows64, row_ok, acc, sumsq, csq, ATOMIC: tl.constexpr):
-    """Add one sub-tile's partial sums into its rows of the accumulator: [SUB_T, SLOT] of the
-    projections, with sum X'^2 and sum c^2 in their columns."""
+def _add_partials(acc_ptr, tile, rows64, row_ok, acc, sumsq, csq, TILE_T: tl.constexpr, ATOMIC: tl.constexpr):
+    """Add one sub-tile's partial sums into its tokens of the tile's accumulator block
+    (_acc_block): [SUB_T, SLOT] of the projections, with sum X'^2 and sum c^2 in their columns."""
     cols = tl.arange(0, SLOT)[None, :]
     part = tl.where(cols == SUMSQ_COL, sumsq[:, None], tl.where(cols == CSQ_COL, csq[:, None], acc))
-    offs = rows64[:, None] * SLOT + cols
+    offs = cols * TILE_T + (rows64 - tile * TILE_T)[:, None]  # (token within the tile, column)
+    acc_ptr = _acc_block(acc_ptr, tile, TILE_T)
     if ATOMIC:
         # relaxed: the tile's arrival (a release) publishes them
         tl.atomic_add(acc_ptr + offs, part, mask=row_ok[:, None] & (cols <= CSQ_COL), sem="relaxed")
@@ -472,11 +473,21 @@ def _add_partials(acc_ptr, rows64, row_ok, acc, sumsq, csq, ATOMIC: tl.constexpr
 
 
 @triton.jit
+def _acc_block(acc_ptr, tile, TILE_T: tl.constexpr):
+    """Token tile `tile`'s block of the accumulator: [SLOT, TILE_T], column by column, so that one
+    column of the tile's tokens is one 64-byte run and the merge's per-column loads touch a line
+    each, not one per token (its (2+n)n + 1 loads of 16 tokens were 416 lines per warp, and every
+    warp of the program issues them: T=1 6.39 -> 6.09 us, T=64 12.38 -> 11.94 on the H200)."""
+    return acc_ptr + tile.to(tl.int64) * (SLOT * TILE_T)
+
+
+@triton.jit
 def _tile_csq(acc_ptr, T, tile, TILE_T: tl.constexpr):
-    """The tile's sum(c^2) per token, from the accumulator row's CSQ_COL (.cg: read at L2, where
+    """The tile's sum(c^2) per token, from its accumulator block's CSQ_COL (.cg: read at L2, where
     every job's atomics landed)."""
-    rows = tile * TILE_T + tl.arange(0, TILE_T)
-    return tl.load(acc_ptr + rows.to(tl.int64) * SLOT + CSQ_COL, mask=rows < T, other=0.0, cache_modifier=".cg")
+    i = tl.arange(0, TILE_T)
+    return tl.load(_acc_block(acc_ptr, tile, TILE_T) + CSQ_COL * TILE_T + i, mask=tile * TILE_T + i < T, other=0.0,
+                   cache_modifier=".cg")
 
 
 @triton.jit
@@ -500,14 +511,17 @@ def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, re
     rows = tile * TILE_T + tl.arange(0, TILE_T)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
-    sums = acc_ptr + rows64 * SLOT  # .cg below: read at L2, where every job's atomics landed
+    # column c of the tile's accumulator block at sums + c * TILE_T; .cg below: read at L2, where
+    # every job's atomics landed
+    sums = _acc_block(acc_ptr, tile, TILE_T) + tl.arange(0, TILE_T)
     if KEEP_CSQ:
         inv_c = tl.full([TILE_T], 0.0, dtype=tl.float32)
     else:
         inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T))  # the carried collapse's
     if HAS_COEFFS:
         # r scales the projection instead of the input: one scalar per token, over all n*D values
-        r = tl.rsqrt(tl.load(sums + SUMSQ_COL, mask=row_ok, other=0.0, cache_modifier=".cg") / ND + STAT_EPS)
+        r = tl.rsqrt(tl.load(sums + SUMSQ_COL * TILE_T, mask=row_ok, other=0.0, cache_modifier=".cg") / ND
+                     + STAT_EPS)
         s_pre = tl.load(scale_ptr)
         s_post = tl.load(scale_ptr + 1)
         s_comb = tl.load(scale_ptr + 2)
@@ -516,7 +530,7 @@ $GATE_LINES
         tl.debug_barrier()  # every thread's reads of the row come first
         cols = tl.arange(0, SLOT)[None, :]
         kept = CSQ_COL if KEEP_CSQ else SLOT  # (no column is SLOT)
-        tl.store(acc_ptr + rows64[:, None] * SLOT + cols, tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32),
+        tl.store(sums[:, None] + cols * TILE_T, tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32),
                  mask=row_ok[:, None] & (cols != kept))
     if PUBLISH:
         tl.debug_barrier()
@@ -691,7 +705,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         R_BLOCK columns, claimed in start order (see "forward progress" in megafuse.lowering.mega_mhc)
 
     fns_ptr: with PRESPLIT, fn already split into bf16 pieces by mega_mhc_split_fn (else unused).
-    acc_ptr: [n_tiles * TILE_T, SLOT] partial sums (split: persistent, all zero between launches);
+    acc_ptr: [n_tiles, SLOT, TILE_T] partial sums (_acc_block; split: persistent, all zero
+    between launches);
     ws_ptr: 1/rms per token [n_tiles * TILE_T] (epilogue-job mode).
     trace_ptr: [programs, TRACE_EVENTS] int64 when TRACE (else unused): EV_* timestamps per program.
     LEAVE_OUT: 0, or a timing diagnostic's LEAVE_* bits (stage A parts compiled out; wrong outputs).
@@ -768,7 +783,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                             tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D, INTERPRETED)
             csq = tl.where(failed, float("nan"), csq)
             rows = tile * TILE_T + tl.arange(0, TILE_T)
-            csq_ptrs = acc_ptr + rows.to(tl.int64) * SLOT + CSQ_COL
+            csq_ptrs = _acc_block(acc_ptr, tile, TILE_T) + CSQ_COL * TILE_T + tl.arange(0, TILE_T)
             tl.atomic_add(csq_ptrs, csq, mask=rows < T, sem="relaxed")
             _stamp(trace_ptr, EV_WORK, TRACE)
             ticket = _arrive(sync + ARRIVE_C)
@@ -818,7 +833,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                 if not FRESH:
                     for i in range(0, n_tiles * TILE_T, 1024):
                         offs = i + tl.arange(0, 1024)
-                        tl.store(acc_ptr + offs.to(tl.int64) * SLOT + CSQ_COL, tl.full([1024], 0.0, dtype=tl.float32),
+                        tl.store(_acc_block(acc_ptr, offs // TILE_T, TILE_T) + CSQ_COL * TILE_T + offs % TILE_T,
+                                 tl.full([1024], 0.0, dtype=tl.float32),
                                  mask=offs < n_tiles * TILE_T)
                 tl.atomic_xchg(sync_ptr + JOB_COUNTER, 0, sem="relaxed")
                 tl.atomic_xchg(sync_ptr + DONE_COUNTER, 0, sem="relaxed")
@@ -962,7 +978,8 @@ def _gate_lines(spec: MhcSpec) -> list[str]:
     out = ["# every load first: a load placed after a store waits for that store to issue (the",
            "# compiler cannot tell the two do not alias), so loads interleaved with the stores below",
            "# made this merge a chain of L2 round trips (~4.5 us of a 10 us launch on the H200)"]
-    out += [f"m_{c} = tl.load(sums + {c}, mask=row_ok, other=0.0, cache_modifier=\".cg\")" for c in range(width)]
+    out += [f"m_{c} = tl.load(sums + {c} * TILE_T, mask=row_ok, other=0.0, cache_modifier=\".cg\")"
+            for c in range(width)]
     out += [f"b_{c} = tl.load(base_ptr + {c})" for c in range(width)]
     out.append("# pre' = sigmoid(m * r * scale0 + base) + eps")
     out += [f"tl.store(pre_ptr + rows64 * N + {k}, _sigmoid(m_{k} * r * s_pre + b_{k}) + HC_EPS, mask=row_ok)"
@@ -1124,7 +1141,7 @@ def generate_source(spec: MhcSpec) -> str:
 
     def sub_finish(sfx: str) -> list[str]:
         acc = _tree_sum([f"acc_{k}{sfx}" for k in range(2)])
-        return [f"_add_partials(acc_ptr, rows64{sfx}, row_ok{sfx}, {acc}, sumsq{sfx}, csq{sfx}, ATOMIC)"]
+        return [f"_add_partials(acc_ptr, tile, rows64{sfx}, row_ok{sfx}, {acc}, sumsq{sfx}, csq{sfx}, TILE_T, ATOMIC)"]
 
     def sub_body(sfx: str) -> str:
         """One sub-tile's share of a chunk, names suffixed with `sfx`."""
@@ -1241,8 +1258,8 @@ class LaunchConfig:
                  per program on sm_90)
     sub_tiles    1, or 2 with pipeline_stages >= 2: stage A sweeps the tile as two register tiles
                  of tile_t / 2 tokens (the M of the projection dot, >= 16) that share each chunk's
-                 block of fn, loaded and split once (its L2 traffic halved; sm_90: 1292 instead
-                 of 2 x 792 instructions per chunk, 255 registers)
+                 block of fn, loaded and split once (its L2 traffic halved; sm_90: 1286 instead
+                 of 2 x 784 instructions per chunk, 255 registers)
     """
     tile_t: int
     block_d: int
@@ -1262,29 +1279,31 @@ class LaunchConfig:
 # CUDA launch table: the fastest correct configuration of tools/bench_mhc.py --sweep on one H200
 # (D=5120, n=4, bf16 streams, delayed seam, CUDA-graph replay; results/bench_mhc.json "sweep", and
 # results/bench_mhc_runs/stop12_experiments.json for T = 1024 and 2048). Rows: (max T, config).
-#   T=1    160 one-chunk stage-A jobs of 32 columns + 10   6.32 us (80 64-column jobs 6.47, the same
-#          rescale jobs                                           with 2 warps 6.45; ahead in the
-#                                                                 last two runs, by 2%: near the noise)
-#   T=64   4 tiles x 27 slices of 3 chunks + 10 rescale   12.36 us on a slow instance (2 chunks a
-#          jobs a tile, stage A pipelined 2 deep                 slice 12.86, 3 deep 12.96, not
-#                                                                pipelined 13.02, one-chunk jobs 14.9)
-#   T=512  32 tiles x 8 slices + 10 rescale jobs a tile   25.42 us (5 rescale jobs a tile 26.22, 4
-#          (one 512-column block each), pipelined 3 deep        26.54, 2 deep 30.1, 12 chunks a
-#                                                                slice 29.3, rescale_stages 3 26.9)
+#   T=1    160 one-chunk stage-A jobs of 32 columns + 10   5.84 us (80 64-column jobs 6.29, the same
+#          rescale jobs                                           with 2 warps 6.02)
+#   T=64   4 tiles x 27 slices of 3 chunks + 10 rescale   11.35 us (pipelined 2 deep 12.36, 2 chunks
+#          jobs a tile, stage A pipelined 3 deep                 a slice 11.76, 4 chunks 12.05, not
+#                                                                pipelined 12.10; one-chunk jobs 14.9
+#                                                                in an earlier run)
+#   T=512  32 tiles x 8 slices + 5 rescale jobs a tile    24.72 us (10 rescale jobs a tile 25.09, 4
+#          (two 512-column blocks each), pipelined 3 deep       25.29, 2 deep 35.5, 12 chunks a
+#                                                                slice 27.95, fn split first 26.6,
+#                                                                two sub-tiles 26.5)
 #          (256 stage-A jobs: at most two per SM; 10 slices left 56 SMs with three and 76 with two)
 #   T=1024 32 tiles of 32 tokens (two 16-token sub-tiles)  43.26 us (16-token tiles, 640 columns
 #          x 8 slices + 7 rescale jobs a tile                    49.5, 1280 columns 45.9;
-#                                                                rescale_stages 3 48.9)
+#                                                                rescale_stages 3 48.9; stop12_
+#                                                                experiments.json, before _acc_block)
 #   T=2048 64 tiles of 32 tokens x 4 slices + 4 rescale   79.0 us (8 slices 83.0; the T=512 row
-#          jobs a tile, rescale pipelined 3 deep                 96.7 in the same run)
-#   above  tiles of 32 tokens x 2 slices + 4 rescale jobs 150.5 us at T=4096 (rescale 2 deep 155.6,
-#          a tile, rescale pipelined 3 deep                      not pipelined 158.3, stage A 4 deep
-#                                                                225, 3 slices 175.6; 16-token tiles
-#                                                                tiled 172.4 in the same run as 156.2)
+#          jobs a tile, rescale pipelined 3 deep                 96.7 in the same run; ditto)
+#   above  tiles of 32 tokens x 2 slices + 4 rescale jobs 145.4 us at T=4096 (rescale not pipelined
+#          a tile, rescale pipelined 3 deep                      150.7, 8 rescale jobs 146.2, fn split
+#                                                                first 149.6, 16-token tiles split
+#                                                                164.9 and tiled 166.6)
 # From T=1024 on, stage A sweeps 32-token tiles as two 16-token sub-tiles (`sub_tiles`): each chunk
 # of fn is loaded and split once for 32 tokens, which halves fn's traffic from L2 (504 MB at
 # T=4096 with 16-token tiles, more than the launch's 422 MB of HBM traffic) and takes ~18% of the
-# instructions per token (sm_90: 1292 per two-sub-tile chunk against 2 x 792); at T=512 its jobs
+# instructions per token (sm_90: 1286 per two-sub-tile chunk against 2 x 784); at T=512 its jobs
 # are too short to gain (5 chunks each: 28.0 against 26.4 us) and at T=64 too few (14.3 against 12.9).
 # Only where stage A projects onto fn's bf16 pieces (choose_config): other forms run the sub-tiles
 # as 16-token tiles. Split jobs then give the GPU its programs (about 256 stage-A jobs: two per
@@ -1304,8 +1323,8 @@ class LaunchConfig:
 # one accumulator per stream.
 _CUDA_TABLE = (
     (16, LaunchConfig(16, 32, 32, 16)),
-    (128, LaunchConfig(16, 64, 192, 32, pipeline_stages=2)),
-    (512, LaunchConfig(16, 64, 640, 10, pipeline_stages=3)),
+    (128, LaunchConfig(16, 64, 192, 32, pipeline_stages=3)),
+    (512, LaunchConfig(16, 64, 640, 8, pipeline_stages=3)),
     (1024, LaunchConfig(32, 64, 640, 8, pipeline_stages=3, sub_tiles=2)),
     (2048, LaunchConfig(32, 64, 1280, 4, pipeline_stages=3, sub_tiles=2, rescale_stages=3)),
     (None, LaunchConfig(32, 64, 2560, 4, pipeline_stages=3, sub_tiles=2, rescale_stages=3)),
