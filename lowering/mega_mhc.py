@@ -39,17 +39,19 @@ organised around moving those bytes once:
   are loaded before the current one is computed (register double-buffering). fn's block is read
   once per token tile, not per token; with `LaunchConfig.sub_tiles` = 2 a tile of 2 x 16 tokens
   is swept as two 16-token register tiles that share each block of fn (T >= 1024: half of fn's
-  traffic from L2, which at T=4096 with 16-token tiles exceeded the launch's HBM traffic). `LaunchConfig.pipeline_stages` instead leaves the loads in a
-  `tl.range` loop that Triton pipelines through shared memory, so more chunks are in flight and
-  fewer registers are used (T >= 512). fn is fp32 and X' bf16, so the dot runs on fn's two bf16
-  pieces (hi + lo): each tile splits its block of fn, or, with `LaunchConfig.presplit_fn`, a
+  traffic from L2, which at T=4096 with 16-token tiles exceeded the launch's HBM traffic).
+  `LaunchConfig.pipeline_stages` instead leaves the loads in a `tl.range` loop that Triton
+  pipelines through shared memory, so more chunks are in flight and fewer registers are used
+  (T >= 64). fn is fp32 and X' bf16, so the dot runs on fn's two bf16 pieces (hi + lo): each
+  tile splits its block of fn, or, with `LaunchConfig.presplit_fn`, a
   first small launch splits fn once and the tiles load the pieces (~28% fewer instructions per
   chunk on sm_90; no tuned row uses it since the paired conversions of _round / _widen: the
   second launch costs about what it saves). Values are rounded and widened in pairs (_round,
   _widen): ~10-14% fewer instructions per chunk than Triton's one-at-a-time conversions.
 * The coefficients need the whole row: the tile's partial sums ((2+n)n projections, sum X'^2,
-  sum c^2) meet in one fp32 accumulator row per token (plain stores when one job covers D, fp32
-  atomics when D is split). The program that completes the tile reads them as [TILE_T] vectors and
+  sum c^2) meet in one fp32 accumulator row per token (kept column by column in a [SLOT, TILE_T]
+  block per tile: _acc_block; plain stores when one job covers D, fp32 atomics when D is split).
+  The program that completes the tile reads them as [TILE_T] vectors and
   runs r = rsqrt(mean(X'^2) + eps), the sigmoid gates, softmax and exactly the reference's Sinkhorn
   truncation fully unrolled (n*n vectors; row and column sums are plain additions), and stores
   pre', post', comb'. It loads the whole row before its first store; with a fresh pre it
@@ -477,7 +479,8 @@ def _acc_block(acc_ptr, tile, TILE_T: tl.constexpr):
     """Token tile `tile`'s block of the accumulator: [SLOT, TILE_T], column by column, so that one
     column of the tile's tokens is one 64-byte run and the merge's per-column loads touch a line
     each, not one per token (its (2+n)n + 1 loads of 16 tokens were 416 lines per warp, and every
-    warp of the program issues them: T=1 6.39 -> 6.09 us, T=64 12.38 -> 11.94 on the H200)."""
+    warp of the program issues them; on the H200 T=1 6.34 -> 5.93 us, T=64 12.39 -> 12.10,
+    T=512 25.49 -> 25.28, T=4096 152.1 -> 146.0)."""
     return acc_ptr + tile.to(tl.int64) * (SLOT * TILE_T)
 
 
@@ -718,7 +721,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         _note_job(trace_ptr, tile, ROLE_TILED, TRACE)
         _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
-                 tile, 0, N_CHUNKS, TILE_T, SUB_TILES, BLOCK_D, False, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
+                 tile, 0, N_CHUNKS, TILE_T, SUB_TILES, BLOCK_D, False, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT,
+                 INTERPRETED)
         _stamp(trace_ptr, EV_WORK, TRACE)
         _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                        combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
@@ -937,7 +941,8 @@ def _project(acc, xs, w, INTERPRETED: tl.constexpr):
 '''
 
 _GENERATOR_FINGERPRINT = hashlib.sha1(
-    (_TEMPLATE.template + _CHUNK_BODY.template + _SUB_BODY.template + _PROJECT_BF16 + _PROJECT_FP32 + "gen-v3").encode()).hexdigest()
+    (_TEMPLATE.template + _CHUNK_BODY.template + _SUB_BODY.template + _PROJECT_BF16 + _PROJECT_FP32
+     + "gen-v3").encode()).hexdigest()
 
 
 def _fmt_float(x: float) -> str:
@@ -1112,7 +1117,8 @@ def generate_source(spec: MhcSpec) -> str:
     block("LOAD_LINES", 4, load)
     lines["STREAM_LOAD_DOC"] = ", ".join((["y"] if spec.has_post else []) + ["the n streams"])
     lines["LOAD_DOC"] = ", ".join(
-        (["y"] if spec.has_post else []) + ["the n streams"] + (["fn^T's block per stream"] if spec.has_coefficients else []))
+        (["y"] if spec.has_post else []) + ["the n streams"]
+        + (["fn^T's block per stream"] if spec.has_coefficients else []))
     lines["CUR_NAMES"] = ", ".join(loaded)
     lines["CUR_NAMES_S1"] = ", ".join(stream_names(SUB_SUFFIX[1]))
     lines["NEXT_NAMES"] = ", ".join(f"{name}_n" for name in loaded)

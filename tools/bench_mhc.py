@@ -9,8 +9,9 @@ RMSNorm), 20 Sinkhorn iterations, eps 1e-6 / 1e-20; T in {1, 64, 512, 4096}. In 
 1. correctness first, on CUDA: every seam form (delayed, first/Engram, final collapse, V4 fresh
    with and without post) in bf16 plus the delayed form in fp32, each through the split variant
    (last-arrival and epilogue-job modes, stage A in one tile or two sub-tiles) and the tiled one,
-   on fresh random inputs with the outputs poisoned (NaN) beforehand, against `mega_mhc.reference` (cuBLAS fp32); a CUDA-graph capture
-   replayed on new inputs; the persistent sync state all-zero at the end;
+   on fresh random inputs with the outputs poisoned (NaN) beforehand, against `mega_mhc.reference`
+   (cuBLAS fp32); a CUDA-graph capture replayed on new inputs; the persistent sync state all-zero
+   at the end;
 2. `--sweep`: a set of launch configurations per T (correct first, then graph-replay time); the
    fastest correct one is what step 3 times (the data behind `mega_mhc.choose_config`);
    `--trace`: where that configuration's launch spends its time, from a traced build of the kernel
