@@ -485,11 +485,17 @@ def _acc_block(acc_ptr, tile, TILE_T: tl.constexpr):
 
 
 @triton.jit
+def _tile_column(acc_ptr, tile, col, TILE_T: tl.constexpr):
+    """Pointers to column `col` of the tile's accumulator block, one per token of the tile."""
+    return _acc_block(acc_ptr, tile, TILE_T) + col * TILE_T + tl.arange(0, TILE_T)
+
+
+@triton.jit
 def _tile_csq(acc_ptr, T, tile, TILE_T: tl.constexpr):
     """The tile's sum(c^2) per token, from its accumulator block's CSQ_COL (.cg: read at L2, where
     every job's atomics landed)."""
     i = tl.arange(0, TILE_T)
-    return tl.load(_acc_block(acc_ptr, tile, TILE_T) + CSQ_COL * TILE_T + i, mask=tile * TILE_T + i < T, other=0.0,
+    return tl.load(_tile_column(acc_ptr, tile, CSQ_COL, TILE_T), mask=tile * TILE_T + i < T, other=0.0,
                    cache_modifier=".cg")
 
 
@@ -516,7 +522,7 @@ def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, re
     rows64 = rows.to(tl.int64)
     # column c of the tile's accumulator block at sums + c * TILE_T; .cg below: read at L2, where
     # every job's atomics landed
-    sums = _acc_block(acc_ptr, tile, TILE_T) + tl.arange(0, TILE_T)
+    sums = _tile_column(acc_ptr, tile, 0, TILE_T)
     if KEEP_CSQ:
         inv_c = tl.full([TILE_T], 0.0, dtype=tl.float32)
     else:
@@ -787,7 +793,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                             tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D, INTERPRETED)
             csq = tl.where(failed, float("nan"), csq)
             rows = tile * TILE_T + tl.arange(0, TILE_T)
-            csq_ptrs = _acc_block(acc_ptr, tile, TILE_T) + CSQ_COL * TILE_T + tl.arange(0, TILE_T)
+            csq_ptrs = _tile_column(acc_ptr, tile, CSQ_COL, TILE_T)
             tl.atomic_add(csq_ptrs, csq, mask=rows < T, sem="relaxed")
             _stamp(trace_ptr, EV_WORK, TRACE)
             ticket = _arrive(sync + ARRIVE_C)
@@ -1116,9 +1122,7 @@ def generate_source(spec: MhcSpec) -> str:
     load.append("return " + ", ".join(loaded))
     block("LOAD_LINES", 4, load)
     lines["STREAM_LOAD_DOC"] = ", ".join((["y"] if spec.has_post else []) + ["the n streams"])
-    lines["LOAD_DOC"] = ", ".join(
-        (["y"] if spec.has_post else []) + ["the n streams"]
-        + (["fn^T's block per stream"] if spec.has_coefficients else []))
+    lines["LOAD_DOC"] = lines["STREAM_LOAD_DOC"] + (", fn^T's block per stream" if spec.has_coefficients else "")
     lines["CUR_NAMES"] = ", ".join(loaded)
     lines["CUR_NAMES_S1"] = ", ".join(stream_names(SUB_SUFFIX[1]))
     lines["NEXT_NAMES"] = ", ".join(f"{name}_n" for name in loaded)
@@ -1149,6 +1153,12 @@ def generate_source(spec: MhcSpec) -> str:
         acc = _tree_sum([f"acc_{k}{sfx}" for k in range(2)])
         return [f"_add_partials(acc_ptr, tile, rows64{sfx}, row_ok{sfx}, {acc}, sumsq{sfx}, csq{sfx}, TILE_T, ATOMIC)"]
 
+    def widen_lines(sfx: str) -> list[str]:  # the rounded X' in fp32, as every later step reads it
+        return [f"xf_{k}{sfx} = _widen(x_{k}{sfx}, INTERPRETED)" for k in streams]
+
+    def collapse_expr(sfx: str) -> str:  # hc_pre with the carried (or, in _collapse, the fresh) pre
+        return " + ".join(f"pre_{k}{sfx}[:, None] * xf_{k}{sfx}" for k in streams)
+
     def sub_body(sfx: str) -> str:
         """One sub-tile's share of a chunk, names suffixed with `sfx`."""
         sub = {"S": sfx}
@@ -1164,9 +1174,9 @@ def generate_source(spec: MhcSpec) -> str:
             post.append(f"    tl.store(xo_ptr + rows64{sfx}[:, None] * ND + ({j} * D) + d[None, :], x_{j}{sfx}, "
                         f"mask=ok{sfx}, eviction_policy=\"evict_first\")")
         sub["POST_LINES"] = "\n".join("    " + r for r in post)
-        sub["F32_LINES"] = "\n".join(f"xf_{k}{sfx} = _widen(x_{k}{sfx}, INTERPRETED)" for k in streams)
+        sub["F32_LINES"] = "\n".join(widen_lines(sfx))
         sub["SUMSQ_EXPR"] = " + ".join(f"xf_{k}{sfx} * xf_{k}{sfx}" for k in streams)
-        sub["COLLAPSE_EXPR"] = " + ".join(f"pre_{k}{sfx}[:, None] * xf_{k}{sfx}" for k in streams)
+        sub["COLLAPSE_EXPR"] = collapse_expr(sfx)
         return _SUB_BODY.substitute(sub).rstrip("\n")
 
     def project(k: int, sfx: str) -> str:
@@ -1177,9 +1187,12 @@ def generate_source(spec: MhcSpec) -> str:
     # once and die at once)
     block("PROJECT_LINES", 8, [line for k in streams
                                for line in (project(k, ""), "if SUB_TILES > 1:", "    " + project(k, SUB_SUFFIX[1]))])
-    guarded = ["if SUB_TILES > 1:"]
-    block("SUB_SETUP", 4, sub_setup("", "") + guarded + ["    " + r for r in sub_setup(SUB_SUFFIX[1], "SUB_T + ")])
-    block("SUB_FINISH", 4, sub_finish("") + guarded + ["    " + r for r in sub_finish(SUB_SUFFIX[1])])
+
+    def both_sub_tiles(lines_for) -> list[str]:  # sub-tile 0, then sub-tile 1 where there are two
+        return lines_for(0) + ["if SUB_TILES > 1:"] + ["    " + r for r in lines_for(1)]
+
+    block("SUB_SETUP", 4, both_sub_tiles(lambda s: sub_setup(SUB_SUFFIX[s], "SUB_T + " if s else "")))
+    block("SUB_FINISH", 4, both_sub_tiles(lambda s: sub_finish(SUB_SUFFIX[s])))
     block("SUB_BODY", 0, sub_body("").split("\n"))
     block("SUB_BODY_S1", 4, sub_body(SUB_SUFFIX[1]).split("\n"))
     block("FRESH_PRE_LINES", 4,
@@ -1189,7 +1202,7 @@ def generate_source(spec: MhcSpec) -> str:
           [f"x_{k} = tl.load(x_ptrs{step(k, 'D')}, mask=ok, other=0.0, cache_modifier=\".cg\")" for k in streams])
     block("FRESH_X_LINES", 12,
           [f"x_{k} = tl.load(x_ptrs{step(k, 'stride_xk')}, mask=ok, other=0.0)" for k in streams])
-    block("F32_LINES", 8, [f"xf_{k} = _widen(x_{k}, INTERPRETED)" for k in streams])
+    block("F32_LINES", 8, widen_lines(""))
     block("GATE_LINES", 8, _gate_lines(spec))
     block("COMB_LINES", 8, _comb_lines(spec))
     lines["TRACE_EVENTS"] = len(TRACE_EVENTS)
@@ -1198,7 +1211,7 @@ def generate_source(spec: MhcSpec) -> str:
     lines["TRACE_CONSTANTS"] = "\n".join(
         [f"EV_{name.upper()} = tl.constexpr({i})" for i, name in enumerate(TRACE_EVENTS)]
         + [f"ROLE_{name.upper().replace(' ', '_')} = tl.constexpr({i})" for i, name in enumerate(TRACE_ROLES)])
-    lines["COLLAPSE_EXPR"] = " + ".join(f"pre_{k}[:, None] * xf_{k}" for k in streams)
+    lines["COLLAPSE_EXPR"] = collapse_expr("")
 
     math_doc = []
     if spec.has_post:
@@ -1253,7 +1266,7 @@ class LaunchConfig:
                  loads sit in a `tl.range(num_stages=k)` loop and Triton's pipeliner keeps k - 1
                  chunks in flight through shared memory (cp.async): on sm_90 fewer registers
                  (T=64: 212 instead of 255) and 44 KB of shared memory per stage
-                 (tools.hopper_builds); the tuned rows use k = 2 at T=64 and k = 3 from T=512 up
+                 (tools.hopper_builds); the tuned rows use k = 3 from T=64 up
     presplit_fn  bf16 streams with coefficients: a first launch splits fn into its bf16 pieces
                  once (mega_mhc_split_fn), and stage A loads those instead of splitting its fp32
                  block again in every token tile (the split is ~1/3 of stage A's instructions per

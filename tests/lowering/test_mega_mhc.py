@@ -395,8 +395,8 @@ def test_reserve_sync_covers_every_smaller_launch(monkeypatch):
     monkeypatch.setattr(mm, "_split_buffers", lambda device, n_tiles, acc: grown.append((n_tiles, acc)))
     spec = make_spec("delayed", "bfloat16", dim=5120)
     mm.reserve_sync(spec, 544, device="cuda")  # (the table only: _split_buffers is replaced)
-    plans = [mm._plan(spec, mm.choose_config(spec, T, device="cuda"), T) for T in range(1, 545)]
-    configs = [mm.choose_config(spec, T, device="cuda") for T in range(1, 545)]
-    assert grown == [(max(p["n_tiles"] for p in plans),
-                      max(p["n_tiles"] * c.tile_t for p, c in zip(plans, configs)) * mm._slot_width(4))]
+    launches = [(mm._plan(spec, cfg, T), cfg)
+                for T in range(1, 545) for cfg in [mm.choose_config(spec, T, device="cuda")]]
+    assert grown == [(max(p["n_tiles"] for p, _ in launches),
+                      max(p["n_tiles"] * cfg.tile_t for p, cfg in launches) * mm._slot_width(4))]
     assert grown[0][0] == 32
