@@ -155,9 +155,10 @@ SUB_SUFFIX = ("", "_s1")
 MAX_SUB_TILES = len(SUB_SUFFIX)
 # A traced launch (`mega_mhc(..., trace=...)`, CUDA only) records one int64 row per program: the
 # GPU's %globaltimer (ns) at each of these events (0 where the program never reached it), then
-# its job number and role. tools/bench_mhc.py --trace turns them into a launch's timeline.
+# its job number, role and the SM it ran on (%smid: which programs shared an SM). tools/bench_mhc.py
+# --trace turns them into a launch's timeline.
 TRACE_TIMES = ("start", "claimed", "ready", "work", "arrived", "finished", "end")
-TRACE_EVENTS = TRACE_TIMES + ("job", "role")
+TRACE_EVENTS = TRACE_TIMES + ("job", "role", "sm")
 TRACE_ROLES = ("tiled", "stage A", "collapse", "rescale")
 # A timing diagnostic (`mega_mhc(..., leave_out=...)`, tools/bench_mhc.py --leave-out): stage A with
 # one of its parts compiled out, to place its time by difference (the outputs are then wrong by
@@ -296,7 +297,7 @@ READY_C = tl.constexpr(3)             #   (fresh) 1/rms published
 # LEAVE_OUT bits (timing diagnostic only: see LEAVE_OUT_PARTS in megafuse.lowering.mega_mhc)
 $LEAVE_CONSTANTS
 
-# trace rows (TRACE only): per program, %globaltimer ns at these events, plus its job and role
+# trace rows (TRACE only): per program, %globaltimer ns at these events, plus its job, role and SM
 TRACE_EVENTS = tl.constexpr($TRACE_EVENTS)
 $TRACE_CONSTANTS
 
@@ -414,13 +415,14 @@ $LOAD_LINES
 @triton.jit
 def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
              T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
-             tile, c_begin, c_end, TILE_T: tl.constexpr, SUB_TILES: tl.constexpr, BLOCK_D: tl.constexpr,
-             ATOMIC: tl.constexpr, PIPELINE_STAGES: tl.constexpr, PRESPLIT: tl.constexpr,
-             LEAVE_OUT: tl.constexpr, INTERPRETED: tl.constexpr):
+             tile, c_begin, c_end, acc_copy, TILE_T: tl.constexpr, SUB_TILES: tl.constexpr,
+             BLOCK_D: tl.constexpr, ACC_COPIES: tl.constexpr, ATOMIC: tl.constexpr,
+             PIPELINE_STAGES: tl.constexpr, PRESPLIT: tl.constexpr, LEAVE_OUT: tl.constexpr,
+             INTERPRETED: tl.constexpr):
     """Stage A for token tile `tile` over chunks [c_begin, c_end) of D: store X' (and the parked,
-    unnormalised carried collapse), and add the partial sums into the tile's accumulator row
-    [TILE_T, SLOT]: the (2+n)n projections, sum X'^2 (SUMSQ_COL), sum c^2 (CSQ_COL); with atomics
-    when D is split (ATOMIC), else with plain stores.
+    unnormalised carried collapse), and add the partial sums into copy `acc_copy` of the tile's
+    accumulator block (_acc_block): the (2+n)n projections, sum X'^2 (SUMSQ_COL), sum c^2
+    (CSQ_COL); with atomics when D is split (ATOMIC), else with plain stores.
 
     Every stream is its own [SUB_T, BLOCK_D] tile (the generator unrolls the n streams), so all
     the arithmetic is elementwise in one register layout. SUB_TILES = 2 (pipelined loop only)
@@ -460,13 +462,14 @@ $SUB_FINISH
 
 
 @triton.jit
-def _add_partials(acc_ptr, tile, rows64, row_ok, acc, sumsq, csq, TILE_T: tl.constexpr, ATOMIC: tl.constexpr):
-    """Add one sub-tile's partial sums into its tokens of the tile's accumulator block
-    (_acc_block): [SUB_T, SLOT] of the projections, with sum X'^2 and sum c^2 in their columns."""
+def _add_partials(acc_ptr, tile, acc_copy, rows64, row_ok, acc, sumsq, csq, TILE_T: tl.constexpr,
+                  ACC_COPIES: tl.constexpr, ATOMIC: tl.constexpr):
+    """Add one sub-tile's partial sums into its tokens of copy `acc_copy` of the tile's accumulator
+    block (_acc_block): [SUB_T, SLOT] of the projections, with sum X'^2 and sum c^2 in their columns."""
     cols = tl.arange(0, SLOT)[None, :]
     part = tl.where(cols == SUMSQ_COL, sumsq[:, None], tl.where(cols == CSQ_COL, csq[:, None], acc))
     offs = cols * TILE_T + (rows64 - tile * TILE_T)[:, None]  # (token within the tile, column)
-    acc_ptr = _acc_block(acc_ptr, tile, TILE_T)
+    acc_ptr = _acc_block(acc_ptr, tile, TILE_T, ACC_COPIES) + acc_copy * (SLOT * TILE_T)
     if ATOMIC:
         # relaxed: the tile's arrival (a release) publishes them
         tl.atomic_add(acc_ptr + offs, part, mask=row_ok[:, None] & (cols <= CSQ_COL), sem="relaxed")
@@ -475,28 +478,49 @@ def _add_partials(acc_ptr, tile, rows64, row_ok, acc, sumsq, csq, TILE_T: tl.con
 
 
 @triton.jit
-def _acc_block(acc_ptr, tile, TILE_T: tl.constexpr):
-    """Token tile `tile`'s block of the accumulator: [SLOT, TILE_T], column by column, so that one
-    column of the tile's tokens is one 64-byte run and the merge's per-column loads touch a line
-    each, not one per token (its (2+n)n + 1 loads of 16 tokens were 416 lines per warp, and every
-    warp of the program issues them; on the H200 T=1 6.34 -> 5.93 us, T=64 12.39 -> 12.10,
-    T=512 25.49 -> 25.28, T=4096 152.1 -> 146.0)."""
-    return acc_ptr + tile.to(tl.int64) * (SLOT * TILE_T)
+def _acc_block(acc_ptr, tile, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr):
+    """Token tile `tile`'s block of the accumulator: ACC_COPIES copies of [SLOT, TILE_T], one
+    after the other, each column by column, so that one column of the tile's tokens is one 64-byte
+    run and the merge's per-column loads touch a line each, not one per token (its (2+n)n + 1 loads
+    of 16 tokens were 416 lines per warp, and every warp of the program issues them; on the H200
+    T=1 6.34 -> 5.93 us, T=64 12.39 -> 12.10, T=512 25.49 -> 25.28, T=4096 152.1 -> 146.0).
+    Stage-A job `part` of a tile adds into copy part % ACC_COPIES (LaunchConfig.acc_copies): the
+    tile's atomics are spread over that many addresses, and the merge sums the copies."""
+    return acc_ptr + tile.to(tl.int64) * (ACC_COPIES * SLOT * TILE_T)
 
 
 @triton.jit
-def _tile_column(acc_ptr, tile, col, TILE_T: tl.constexpr):
-    """Pointers to column `col` of the tile's accumulator block, one per token of the tile."""
-    return _acc_block(acc_ptr, tile, TILE_T) + col * TILE_T + tl.arange(0, TILE_T)
+def _tile_column(acc_ptr, tile, col, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr):
+    """Pointers to column `col` of copy 0 of the tile's accumulator block, one per token of the
+    tile (copy k: + k * SLOT * TILE_T)."""
+    return _acc_block(acc_ptr, tile, TILE_T, ACC_COPIES) + col * TILE_T + tl.arange(0, TILE_T)
 
 
 @triton.jit
-def _tile_csq(acc_ptr, T, tile, TILE_T: tl.constexpr):
-    """The tile's sum(c^2) per token, from its accumulator block's CSQ_COL (.cg: read at L2, where
-    every job's atomics landed)."""
+def _column_sum(column, row_ok, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr):
+    """One column of a tile's partial sums, [TILE_T]: the sum of its copies (`column`: copy 0's
+    pointers, _tile_column), in copy order (so a launch's sum does not depend on which copy's
+    loads return first). .cg: read at L2, where every job's atomics landed."""
+    total = tl.load(column, mask=row_ok, other=0.0, cache_modifier=".cg")
+    for k in tl.static_range(1, ACC_COPIES):
+        total += tl.load(column + k * (SLOT * TILE_T), mask=row_ok, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def _clear_column(column, mask, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr):
+    """Zero one column of the partial sums in every copy (for the next launch); `column`: copy 0's
+    pointers, of one tile or several."""
+    for k in tl.static_range(ACC_COPIES):
+        tl.store(column + k * (SLOT * TILE_T), tl.where(mask, 0.0, 0.0), mask=mask)
+
+
+@triton.jit
+def _tile_csq(acc_ptr, T, tile, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr):
+    """The tile's sum(c^2) per token, from its accumulator block's CSQ_COL."""
     i = tl.arange(0, TILE_T)
-    return tl.load(_tile_column(acc_ptr, tile, CSQ_COL, TILE_T), mask=tile * TILE_T + i < T, other=0.0,
-                   cache_modifier=".cg")
+    return _column_sum(_tile_column(acc_ptr, tile, CSQ_COL, TILE_T, ACC_COPIES), tile * TILE_T + i < T, TILE_T,
+                       ACC_COPIES)
 
 
 @triton.jit
@@ -507,8 +531,8 @@ def _inv_rms(csq):
 
 @triton.jit
 def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, ready_ptr, trace_ptr,
-                 T, tile, TILE_T: tl.constexpr, CLEAR: tl.constexpr, KEEP_CSQ: tl.constexpr,
-                 PUBLISH: tl.constexpr, TRACE: tl.constexpr, INTERPRETED: tl.constexpr):
+                 T, tile, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr, CLEAR: tl.constexpr,
+                 KEEP_CSQ: tl.constexpr, PUBLISH: tl.constexpr, TRACE: tl.constexpr, INTERPRETED: tl.constexpr):
     """From the tile's full-row sums (its accumulator row): compute and store the coefficients,
     one [TILE_T] vector per coefficient (the generator unrolls n, n and n*n of them; Sinkhorn's
     row and column sums are then plain additions). CLEAR: zero the row again for the next launch,
@@ -520,17 +544,16 @@ def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, re
     rows = tile * TILE_T + tl.arange(0, TILE_T)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
-    # column c of the tile's accumulator block at sums + c * TILE_T; .cg below: read at L2, where
-    # every job's atomics landed
-    sums = _tile_column(acc_ptr, tile, 0, TILE_T)
+    # column c of the tile's accumulator block at sums + c * TILE_T (copy 0; _column_sum adds the
+    # copies)
+    sums = _tile_column(acc_ptr, tile, 0, TILE_T, ACC_COPIES)
     if KEEP_CSQ:
         inv_c = tl.full([TILE_T], 0.0, dtype=tl.float32)
     else:
-        inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T))  # the carried collapse's
+        inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES))  # the carried collapse's
     if HAS_COEFFS:
         # r scales the projection instead of the input: one scalar per token, over all n*D values
-        r = tl.rsqrt(tl.load(sums + SUMSQ_COL * TILE_T, mask=row_ok, other=0.0, cache_modifier=".cg") / ND
-                     + STAT_EPS)
+        r = tl.rsqrt(_column_sum(sums + SUMSQ_COL * TILE_T, row_ok, TILE_T, ACC_COPIES) / ND + STAT_EPS)
         s_pre = tl.load(scale_ptr)
         s_post = tl.load(scale_ptr + 1)
         s_comb = tl.load(scale_ptr + 2)
@@ -539,8 +562,9 @@ $GATE_LINES
         tl.debug_barrier()  # every thread's reads of the row come first
         cols = tl.arange(0, SLOT)[None, :]
         kept = CSQ_COL if KEEP_CSQ else SLOT  # (no column is SLOT)
-        tl.store(sums[:, None] + cols * TILE_T, tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32),
-                 mask=row_ok[:, None] & (cols != kept))
+        for k in tl.static_range(ACC_COPIES):
+            tl.store(sums[:, None] + (k * SLOT + cols) * TILE_T, tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32),
+                     mask=row_ok[:, None] & (cols != kept))
     if PUBLISH:
         tl.debug_barrier()
         tl.atomic_xchg(ready_ptr, 1, sem="release")
@@ -627,11 +651,12 @@ def _store_rescaled(u_ptr, collapsed, w, inv_c, rows64, row_ok, b, R_BLOCK: tl.c
 def _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                    combo_ptr, T, stride_xt, stride_xk, tile, TILE_T: tl.constexpr,
                    BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr, R_BLOCK: tl.constexpr,
-                   RESCALE_STAGES: tl.constexpr, CLEAR: tl.constexpr, INTERPRETED: tl.constexpr):
+                   RESCALE_STAGES: tl.constexpr, ACC_COPIES: tl.constexpr, CLEAR: tl.constexpr,
+                   INTERPRETED: tl.constexpr):
     """Everything after stage A for one whole token tile, by one program."""
     tl.debug_barrier()  # this program's accumulator stores before its reloads
     inv_c = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, acc_ptr,
-                         T, tile, TILE_T, CLEAR, False, False, False, INTERPRETED)
+                         T, tile, TILE_T, ACC_COPIES, CLEAR, False, False, False, INTERPRETED)
     if FRESH:
         tl.debug_barrier()  # pre' (and this tile's X') before the collapse reads them
         csq = _collapse(x_ptr, xo_ptr, u_ptr, pre_ptr, T, stride_xt, stride_xk, tile, 0, N_CHUNKS,
@@ -675,11 +700,14 @@ def _stamp(trace_ptr, event, TRACE: tl.constexpr):
 
 @triton.jit
 def _note_job(trace_ptr, job, role, TRACE: tl.constexpr):
-    """TRACE: record which job this program ran, and its role (ROLE_*)."""
+    """TRACE: record which job this program ran, its role (ROLE_*) and its SM."""
     if TRACE:
         row = trace_ptr + tl.program_id(0) * TRACE_EVENTS
         tl.store(row + EV_JOB, job.to(tl.int64))
         tl.store(row + EV_ROLE, role)
+        sm = tl.inline_asm_elementwise("mov.u32 $$0, %smid;", "=r,r", [tl.program_id(0)], dtype=tl.int32,
+                                       is_pure=False, pack=1)
+        tl.store(row + EV_SM, sm.to(tl.int64))
 
 
 @triton.jit
@@ -703,8 +731,9 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                     TILE_T: tl.constexpr, SUB_TILES: tl.constexpr, BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr,
                     SPLIT_CHUNKS: tl.constexpr, N_SPLITS: tl.constexpr, R_BLOCK: tl.constexpr,
                     R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
-                    RESCALE_STAGES: tl.constexpr, PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr,
-                    MAX_SPINS: tl.constexpr, TRACE: tl.constexpr, LEAVE_OUT: tl.constexpr):
+                    RESCALE_STAGES: tl.constexpr, ACC_COPIES: tl.constexpr, PRESPLIT: tl.constexpr,
+                    INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr, TRACE: tl.constexpr,
+                    LEAVE_OUT: tl.constexpr):
     """Grid (1-D); D is N_CHUNKS chunks of BLOCK_D, a stage-A job takes SPLIT_CHUNKS of them.
 
     tiled        (N_SPLITS == 1)                 n_tiles programs, job = program id
@@ -714,8 +743,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         R_BLOCK columns, claimed in start order (see "forward progress" in megafuse.lowering.mega_mhc)
 
     fns_ptr: with PRESPLIT, fn already split into bf16 pieces by mega_mhc_split_fn (else unused).
-    acc_ptr: [n_tiles, SLOT, TILE_T] partial sums (_acc_block; split: persistent, all zero
-    between launches);
+    acc_ptr: [n_tiles, ACC_COPIES, SLOT, TILE_T] partial sums (_acc_block; split: persistent, all
+    zero between launches; stage-A job `part` of a tile adds into copy part % ACC_COPIES);
     ws_ptr: 1/rms per token [n_tiles * TILE_T] (epilogue-job mode).
     trace_ptr: [programs, TRACE_EVENTS] int64 when TRACE (else unused): EV_* timestamps per program.
     LEAVE_OUT: 0, or a timing diagnostic's LEAVE_* bits (stage A parts compiled out; wrong outputs).
@@ -727,23 +756,24 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         _note_job(trace_ptr, tile, ROLE_TILED, TRACE)
         _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
-                 tile, 0, N_CHUNKS, TILE_T, SUB_TILES, BLOCK_D, False, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT,
-                 INTERPRETED)
+                 tile, 0, N_CHUNKS, 0, TILE_T, SUB_TILES, BLOCK_D, ACC_COPIES, False, PIPELINE_STAGES,
+                 PRESPLIT, LEAVE_OUT, INTERPRETED)
         _stamp(trace_ptr, EV_WORK, TRACE)
         _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                        combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
-                       RESCALE_STAGES, False, INTERPRETED)
+                       RESCALE_STAGES, ACC_COPIES, False, INTERPRETED)
         _stamp(trace_ptr, EV_FINISHED, TRACE)
     elif R_SPLITS == 0:
         # split, the last arrival finishes the tile: nothing ever waits, so program ids are job ids
         job = tl.program_id(0)
         _note_job(trace_ptr, job, ROLE_STAGE_A, TRACE)
         tile = job // N_SPLITS
-        c_begin = (job % N_SPLITS) * SPLIT_CHUNKS
+        part = job % N_SPLITS
+        c_begin = part * SPLIT_CHUNKS
         _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
-                 tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, SUB_TILES, BLOCK_D, True,
-                 PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
+                 tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), part % ACC_COPIES, TILE_T, SUB_TILES,
+                 BLOCK_D, ACC_COPIES, True, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
         _stamp(trace_ptr, EV_WORK, TRACE)
         arrive_a = sync_ptr + TILE_SYNC + tile * 4 + ARRIVE_A
         ticket = _arrive(arrive_a)
@@ -751,7 +781,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         if ticket == N_SPLITS - 1:
             _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                            combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
-                           RESCALE_STAGES, True, INTERPRETED)
+                           RESCALE_STAGES, ACC_COPIES, True, INTERPRETED)
             tl.atomic_xchg(arrive_a, 0, sem="relaxed")  # every arrival of this tile is in
             _stamp(trace_ptr, EV_FINISHED, TRACE)
     else:
@@ -770,8 +800,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             c_begin = part * SPLIT_CHUNKS
             _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
                      T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
-                     tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, SUB_TILES,
-                     BLOCK_D, True, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
+                     tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), part % ACC_COPIES, TILE_T,
+                     SUB_TILES, BLOCK_D, ACC_COPIES, True, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
             _stamp(trace_ptr, EV_WORK, TRACE)
             ticket = _arrive(sync + ARRIVE_A)
             _stamp(trace_ptr, EV_ARRIVED, TRACE)
@@ -779,7 +809,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                 # carried pre: nothing waits for this merge (the rescale jobs wait for the tile's
                 # arrivals and read sum(c^2) themselves); fresh: the collapse jobs wait for pre'
                 _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, sync + READY_A,
-                             trace_ptr, T, tile, TILE_T, True, not FRESH, FRESH, TRACE, INTERPRETED)
+                             trace_ptr, T, tile, TILE_T, ACC_COPIES, True, not FRESH, FRESH, TRACE, INTERPRETED)
                 finisher = True
                 _stamp(trace_ptr, EV_FINISHED, TRACE)
         elif role == ROLE_COLLAPSE:
@@ -793,15 +823,16 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                             tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), TILE_T, BLOCK_D, INTERPRETED)
             csq = tl.where(failed, float("nan"), csq)
             rows = tile * TILE_T + tl.arange(0, TILE_T)
-            csq_ptrs = _tile_column(acc_ptr, tile, CSQ_COL, TILE_T)
-            tl.atomic_add(csq_ptrs, csq, mask=rows < T, sem="relaxed")
+            csq_ptrs = _tile_column(acc_ptr, tile, CSQ_COL, TILE_T, ACC_COPIES)
+            tl.atomic_add(csq_ptrs + (part % ACC_COPIES) * (SLOT * TILE_T), csq, mask=rows < T, sem="relaxed")
             _stamp(trace_ptr, EV_WORK, TRACE)
             ticket = _arrive(sync + ARRIVE_C)
             _stamp(trace_ptr, EV_ARRIVED, TRACE)
             if ticket == N_SPLITS - 1:
-                tl.store(inv_ws + tile * TILE_T + tl.arange(0, TILE_T), _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T)))
+                tl.store(inv_ws + tile * TILE_T + tl.arange(0, TILE_T),
+                         _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES)))
                 tl.debug_barrier()
-                tl.store(csq_ptrs, tl.full([TILE_T], 0.0, dtype=tl.float32), mask=rows < T)  # for the next launch
+                _clear_column(csq_ptrs, rows < T, TILE_T, ACC_COPIES)  # for the next launch
                 tl.atomic_xchg(sync + READY_C, 1, sem="release")
                 _stamp(trace_ptr, EV_FINISHED, TRACE)
         elif role == ROLE_RESCALE:  # (else no job: only if the sync state was corrupted)
@@ -817,7 +848,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                 # so the rescale need not wait for the tile's merge (coefficients, Sinkhorn)
                 failed = _wait(sync + ARRIVE_A, N_SPLITS, MAX_SPINS)
                 _stamp(trace_ptr, EV_READY, TRACE)
-                inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T))
+                inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES))
             inv_c = tl.where(failed, float("nan"), inv_c)
             _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin,
                      tl.minimum(b_begin + R_PER_JOB, (D + R_BLOCK - 1) // R_BLOCK), TILE_T, R_BLOCK,
@@ -843,9 +874,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                 if not FRESH:
                     for i in range(0, n_tiles * TILE_T, 1024):
                         offs = i + tl.arange(0, 1024)
-                        tl.store(_acc_block(acc_ptr, offs // TILE_T, TILE_T) + CSQ_COL * TILE_T + offs % TILE_T,
-                                 tl.full([1024], 0.0, dtype=tl.float32),
-                                 mask=offs < n_tiles * TILE_T)
+                        _clear_column(_acc_block(acc_ptr, offs // TILE_T, TILE_T, ACC_COPIES) + CSQ_COL * TILE_T
+                                      + offs % TILE_T, offs < n_tiles * TILE_T, TILE_T, ACC_COPIES)
                 tl.atomic_xchg(sync_ptr + JOB_COUNTER, 0, sem="relaxed")
                 tl.atomic_xchg(sync_ptr + DONE_COUNTER, 0, sem="relaxed")
     _stamp(trace_ptr, EV_END, TRACE)
@@ -989,7 +1019,7 @@ def _gate_lines(spec: MhcSpec) -> list[str]:
     out = ["# every load first: a load placed after a store waits for that store to issue (the",
            "# compiler cannot tell the two do not alias), so loads interleaved with the stores below",
            "# made this merge a chain of L2 round trips (~4.5 us of a 10 us launch on the H200)"]
-    out += [f"m_{c} = tl.load(sums + {c} * TILE_T, mask=row_ok, other=0.0, cache_modifier=\".cg\")"
+    out += [f"m_{c} = _column_sum(sums + {c} * TILE_T, row_ok, TILE_T, ACC_COPIES)"
             for c in range(width)]
     out += [f"b_{c} = tl.load(base_ptr + {c})" for c in range(width)]
     out.append("# pre' = sigmoid(m * r * scale0 + base) + eps")
@@ -1151,7 +1181,8 @@ def generate_source(spec: MhcSpec) -> str:
 
     def sub_finish(sfx: str) -> list[str]:
         acc = _tree_sum([f"acc_{k}{sfx}" for k in range(2)])
-        return [f"_add_partials(acc_ptr, tile, rows64{sfx}, row_ok{sfx}, {acc}, sumsq{sfx}, csq{sfx}, TILE_T, ATOMIC)"]
+        return [f"_add_partials(acc_ptr, tile, acc_copy, rows64{sfx}, row_ok{sfx}, {acc}, sumsq{sfx}, csq{sfx}, "
+                "TILE_T, ACC_COPIES, ATOMIC)"]
 
     def widen_lines(sfx: str) -> list[str]:  # the rounded X' in fp32, as every later step reads it
         return [f"xf_{k}{sfx} = _widen(x_{k}{sfx}, INTERPRETED)" for k in streams]
@@ -1279,6 +1310,12 @@ class LaunchConfig:
                  of tile_t / 2 tokens (the M of the projection dot, >= 16) that share each chunk's
                  block of fn, loaded and split once (its L2 traffic halved; sm_90: 1286 instead
                  of 2 x 784 instructions per chunk, 255 registers)
+    acc_copies   split variant: copies of each token tile's accumulator block; stage-A job `part`
+                 of a tile adds its partial sums into copy part % acc_copies, and the merge sums
+                 the copies (at most one per stage-A job of a tile: more are not used). The
+                 atomics of a tile's jobs all land on the same (2+n)n + 2 columns of its tokens
+                 and wait on one another: at T=64 (27 jobs a tile) a job's arrival took 2.1 us
+                 after its sweep with one copy and 1.0 with eight
     """
     tile_t: int
     block_d: int
@@ -1290,6 +1327,7 @@ class LaunchConfig:
     presplit_fn: bool = False
     rescale_stages: int = 0
     sub_tiles: int = 1
+    acc_copies: int = 1
 
     def variant(self, dim: int) -> str:
         return "tiled" if self.split_cols >= dim else "split"
@@ -1300,10 +1338,17 @@ class LaunchConfig:
 # results/bench_mhc_runs/stop12_experiments.json for T = 1024 and 2048). Rows: (max T, config).
 #   T=1    160 one-chunk stage-A jobs of 32 columns + 10   5.84 us (80 64-column jobs 6.29, the same
 #          rescale jobs                                           with 2 warps 6.02)
-#   T=64   4 tiles x 27 slices of 3 chunks + 10 rescale   11.35 us (pipelined 2 deep 12.36, 2 chunks
-#          jobs a tile, stage A pipelined 3 deep                 a slice 11.76, 4 chunks 12.05, not
-#                                                                pipelined 12.10; one-chunk jobs 14.9
-#                                                                in an earlier run)
+#   T=64   4 tiles x 27 slices of 3 chunks + 5 rescale     9.71 us (stop13_experiments.json: the
+#          jobs a tile (two blocks each), stage A                stop-12 row, 10 rescale jobs a tile
+#          pipelined 3 deep, 4 accumulator copies                and one copy, 11.08; 8 copies 10.14,
+#          (128 programs: one per SM)                            16 copies 11.97; 10 rescale jobs and
+#                                                                8 copies 12.33; 2-chunk slices and 8
+#                                                                copies 11.19. Before the copies:
+#                                                                pipelined 2 deep 12.36, 2 chunks a
+#                                                                slice 11.76, 4 chunks 12.05, not
+#                                                                pipelined 12.10)
+#          (the 148 programs of 10 rescale jobs a tile put two on 16 SMs, and the stage-A jobs that
+#          shared an SM took 7.2-7.7 us against 4.7-5.2 alone, 8 warps a program 6.0)
 #   T=512  32 tiles x 8 slices + 5 rescale jobs a tile    24.72 us (10 rescale jobs a tile 25.09, 4
 #          (two 512-column blocks each), pipelined 3 deep       25.29, 2 deep 35.5, 12 chunks a
 #                                                                slice 27.95, fn split first 26.6,
@@ -1339,10 +1384,13 @@ class LaunchConfig:
 # stop10_experiments.json, stop11_experiments.json): 64-token register tiles (a wgmma projection
 # that reads fn a quarter as often), 32-column presplit rows at three programs per SM, rescale jobs
 # claimed a few tiles after their tile's stage A (so that they read a parked collapse still in L2),
-# one accumulator per stream.
+# one accumulator per stream. Accumulator copies only pay at T=64 (stop13_experiments.json): the
+# merge sums them, ~0.2 us a copy at T=1 (4 copies 6.76 against 5.92 us), and elsewhere the atomics
+# did not wait (T=512 2 / 4 / 8 copies 24.68 / 24.98 / 25.91 against 24.67, T=2048 4 copies 93.5
+# against 76.2, T=4096 2 copies 147.4 against 148.1).
 _CUDA_TABLE = (
     (16, LaunchConfig(16, 32, 32, 16)),
-    (128, LaunchConfig(16, 64, 192, 32, pipeline_stages=3)),
+    (128, LaunchConfig(16, 64, 192, 5, pipeline_stages=3, acc_copies=4)),
     (512, LaunchConfig(16, 64, 640, 8, pipeline_stages=3)),
     (1024, LaunchConfig(32, 64, 640, 8, pipeline_stages=3, sub_tiles=2)),
     (2048, LaunchConfig(32, 64, 1280, 4, pipeline_stages=3, sub_tiles=2, rescale_stages=3)),
@@ -1458,10 +1506,8 @@ def reserve_sync(spec: MhcSpec, max_tokens: int, device: torch.device | str = "c
     # the most token tiles any launch up to max_tokens has: at the top of each band of the table
     # (a band of shorter tiles may have more tiles than the next band's first sizes)
     sizes = [max_tokens] + [t for t, _ in _CUDA_TABLE if t is not None and t < max_tokens]
-    tiles = [(-(-t // cfg.tile_t), cfg.tile_t) for t in sizes
-             for cfg in [choose_config(spec, t, device=device, variant="split")]]
-    n_tiles = max(n for n, _ in tiles)
-    _split_buffers(device, n_tiles, max(n * tile_t for n, tile_t in tiles) * _slot_width(spec.n))
+    plans = [_plan(spec, choose_config(spec, t, device=device, variant="split"), t) for t in sizes]
+    _split_buffers(device, max(p["n_tiles"] for p in plans), max(p["acc_elems"] for p in plans))
 
 
 def reset_sync(device: torch.device | str = "cuda") -> None:
@@ -1552,9 +1598,10 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
     tile (0: the last arrival rescales the whole tile)."""
     if cfg.tile_t < 16 or cfg.tile_t & (cfg.tile_t - 1) or cfg.block_d < 16 or cfg.block_d & (cfg.block_d - 1) \
             or cfg.split_cols % cfg.block_d or cfg.r_splits < 0 or cfg.rescale_stages < 0 \
-            or cfg.rescale_stages == 1:
+            or cfg.rescale_stages == 1 or cfg.acc_copies < 1:
         raise ValueError(f"mega_mhc: inconsistent launch config {cfg}: tile_t and block_d must be powers of "
-                         "two >= 16, split_cols a multiple of block_d, r_splits >= 0, rescale_stages 0 or >= 2")
+                         "two >= 16, split_cols a multiple of block_d, r_splits >= 0, rescale_stages 0 or >= 2, "
+                         "acc_copies >= 1")
     if cfg.sub_tiles not in range(1, MAX_SUB_TILES + 1) or cfg.tile_t // cfg.sub_tiles < 16 \
             or (cfg.sub_tiles > 1 and cfg.pipeline_stages < 2):
         raise ValueError(f"mega_mhc: inconsistent launch config {cfg}: sub_tiles must be 1..{MAX_SUB_TILES}, "
@@ -1574,8 +1621,10 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
     n_jobs = n_tiles * n_splits
     if r_splits:
         n_jobs = n_jobs * (2 if spec.pre == "fresh" else 1) + n_tiles * r_splits
+    acc_copies = min(cfg.acc_copies, n_splits)
     return dict(n_tiles=n_tiles, n_chunks=n_chunks, split_chunks=split_chunks, n_splits=n_splits,
-                r_block=r_block, r_per_job=r_per_job, r_splits=r_splits, n_jobs=n_jobs,
+                r_block=r_block, r_per_job=r_per_job, r_splits=r_splits, n_jobs=n_jobs, acc_copies=acc_copies,
+                acc_elems=n_tiles * acc_copies * cfg.tile_t * _slot_width(spec.n),
                 variant="tiled" if n_splits == 1 else "split")
 
 
@@ -1623,8 +1672,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     plan = _plan(spec, cfg, T)
     if trace is not None:
         _check_trace(trace, plan, device)
-    n_tiles, n_splits = plan["n_tiles"], plan["n_splits"]
-    acc_elems = n_tiles * cfg.tile_t * _slot_width(n)
+    n_tiles, n_splits, acc_elems = plan["n_tiles"], plan["n_splits"], plan["acc_elems"]
     interpret = device.type != "cuda"
     if n_splits > 1:
         sync, acc = _split_buffers(device, n_tiles, acc_elems)
@@ -1659,8 +1707,8 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         TILE_T=cfg.tile_t, SUB_TILES=cfg.sub_tiles, BLOCK_D=cfg.block_d, N_CHUNKS=plan["n_chunks"],
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
         R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], PIPELINE_STAGES=cfg.pipeline_stages,
-        RESCALE_STAGES=cfg.rescale_stages,
-        PRESPLIT=cfg.presplit_fn, INTERPRETED=interpret,
+        RESCALE_STAGES=cfg.rescale_stages, ACC_COPIES=plan["acc_copies"], PRESPLIT=cfg.presplit_fn,
+        INTERPRETED=interpret,
         MAX_SPINS=1 << 10 if interpret else 1 << 22, TRACE=trace is not None, LEAVE_OUT=leave_out_bits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return tuple(out)

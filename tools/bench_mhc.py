@@ -157,6 +157,10 @@ def correctness_suite(device, dry: bool, log) -> list:
               LaunchConfig(16, 32, 4096 if dry else 5120, pipeline_stages=3, presplit_fn=True)),
              ("v4_fresh/presplit-fn", dataclasses.replace(delayed, pre="fresh"), 37 if dry else 300, None,
               LaunchConfig(16, 32, 64 if dry else 512, r_splits=2 if dry else 8, presplit_fn=True))]
+    # partial sums spread over accumulator copies (the tuned rows at T <= 128), the fresh collapse's
+    # sum(c^2) in them too
+    runs += [("v4_fresh/acc-copies", dataclasses.replace(delayed, pre="fresh"), 37 if dry else 64, None,
+              LaunchConfig(16, 32, 32, r_splits=3, acc_copies=3) if dry else None)]
     fp32 = dataclasses.replace(delayed, stream_dtype="float32")
     runs += [("delayed fp32", fp32, 37, "split", None)] + ([("delayed fp32", fp32, 3, "tiled", None)] if dry else [])
     odd = dataclasses.replace(delayed, dim=odd_D)
@@ -221,9 +225,11 @@ def sweep_configs(T: int) -> list[LaunchConfig]:
     if T <= 16:
         return [C(16, 64, 64, 8), C(16, 32, 32, 16, num_warps=2), C(16, 32, 64, 8)]
     if T <= 128:
-        return [C(16, 64, 128, 32, pipeline_stages=2), C(16, 64, 128, 16, pipeline_stages=2),
-                C(16, 64, 192, 32, pipeline_stages=2), C(16, 64, 256, 32, pipeline_stages=2),
-                C(16, 64, 192, 32)]
+        # 4 tiles x 27 slices + 5 rescale jobs a tile = 128 programs, one per SM; the stop-12 row
+        # (10 rescale jobs a tile, one accumulator copy) first
+        return [C(16, 64, 192, 32, pipeline_stages=3), C(16, 64, 192, 5, pipeline_stages=3),
+                C(16, 64, 192, 5, pipeline_stages=3, acc_copies=8), C(16, 64, 192, 32, pipeline_stages=3, acc_copies=4),
+                C(16, 64, 128, 32, pipeline_stages=3, acc_copies=4)]
     if T <= 1024:
         # 32 tiles x 8 slices = 256 stage-A jobs over 132 SMs: at most two per SM (10 slices put
         # three on 56 SMs); 10 rescale jobs a tile are one 512-column block each

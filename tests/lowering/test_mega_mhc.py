@@ -34,7 +34,9 @@ FORMS = {  # name -> (has_post, has_coefficients, pre)
 # (128-token tiles: 64-column blocks) and two per rescale job (64-token tiles: 128-column blocks);
 # then stage A in two 16-token sub-tiles (sub_tiles): tiled with the second sub-tile part past T
 # (tokens 16..20 of 21), and split with epilogue jobs where the last tile's second sub-tile is
-# wholly past T (tokens 32..36 of 37, then 48..63)
+# wholly past T (tokens 32..36 of 37, then 48..63); then the split variants with their partial
+# sums in accumulator copies (acc_copies): five slices a tile over three copies (two slices land
+# in copies 0 and 1, one in copy 2) with epilogue jobs, and two copies whose last arrival finishes
 CASES = ((37, "tiled"), (3, "split"), (1, LaunchConfig(16, 32, 64, r_splits=2)),
          (37, LaunchConfig(16, 32, 64, r_splits=3)),
          (21, LaunchConfig(16, 32, 4096, pipeline_stages=3)),
@@ -42,7 +44,8 @@ CASES = ((37, "tiled"), (3, "split"), (1, LaunchConfig(16, 32, 64, r_splits=2)),
          (37, LaunchConfig(128, 32, 4096, rescale_stages=3)),
          (37, LaunchConfig(64, 32, 64, r_splits=1, rescale_stages=2)),
          (21, LaunchConfig(32, 32, 4096, pipeline_stages=2, sub_tiles=2)),
-         (37, LaunchConfig(32, 32, 64, r_splits=3, pipeline_stages=3, sub_tiles=2, rescale_stages=2)))
+         (37, LaunchConfig(32, 32, 64, r_splits=3, pipeline_stages=3, sub_tiles=2, rescale_stages=2)),
+         (37, LaunchConfig(16, 32, 32, r_splits=3, acc_copies=3)), (20, LaunchConfig(16, 32, 32, acc_copies=2)))
 
 
 @pytest.fixture(autouse=True)
@@ -186,6 +189,11 @@ def test_split_launches_leave_the_persistent_state_zero():
     run_case(make_spec("delayed"), 20, "split", seed=61)
     run_case(make_spec("delayed", "bfloat16"), 37, LaunchConfig(16, 32, 64, r_splits=3), seed=62)
     run_case(make_spec("final_collapse"), 37, LaunchConfig(16, 32, 64, r_splits=3), seed=63)
+    # every copy of the accumulator too (the merge clears its tile's, the last job sum(c^2)'s, a
+    # fresh collapse's last arrival its tile's sum(c^2))
+    run_case(make_spec("v4_fresh"), 37, LaunchConfig(16, 32, 32, r_splits=3, acc_copies=3), seed=64)
+    run_case(make_spec("delayed", "bfloat16"), 37, LaunchConfig(16, 32, 32, r_splits=2, acc_copies=4), seed=65)
+    run_case(make_spec("delayed"), 20, LaunchConfig(16, 32, 32, acc_copies=2), seed=66)
     st = mm._states["cpu"]
     assert not st.sync.any() and not st.acc.any()
 
@@ -335,12 +343,12 @@ def test_leave_out_names_the_valid_parts():
 
 
 @pytest.mark.parametrize("bad", [dict(rescale_stages=1), dict(rescale_stages=-2), dict(r_splits=-1),
-                                 dict(tile_t=24), dict(split_cols=48)])
+                                 dict(tile_t=24), dict(split_cols=48), dict(acc_copies=0)])
 def test_inconsistent_launch_configs_are_refused(bad):
     # rescale_stages 1 would be a pipelined loop with nothing ahead: slower than 0, never meant
     spec = make_spec()
     cfg = dataclasses.replace(LaunchConfig(16, 32, 64, r_splits=2), **bad)
-    with pytest.raises(ValueError, match="inconsistent launch config.*rescale_stages 0 or >= 2"):
+    with pytest.raises(ValueError, match="inconsistent launch config.*rescale_stages 0 or >= 2, acc_copies >= 1"):
         mega_mhc(*make_inputs(spec, 3, seed=0), spec, config=cfg)
 
 
@@ -397,6 +405,18 @@ def test_reserve_sync_covers_every_smaller_launch(monkeypatch):
     mm.reserve_sync(spec, 544, device="cuda")  # (the table only: _split_buffers is replaced)
     launches = [(mm._plan(spec, cfg, T), cfg)
                 for T in range(1, 545) for cfg in [mm.choose_config(spec, T, device="cuda")]]
-    assert grown == [(max(p["n_tiles"] for p, _ in launches),
-                      max(p["n_tiles"] * cfg.tile_t for p, cfg in launches) * mm._slot_width(4))]
-    assert grown[0][0] == 32
+    assert grown == [(max(p["n_tiles"] for p, _ in launches), max(p["acc_elems"] for p, _ in launches))]
+    # 32 16-token tiles at T=512; 17 32-token tiles of 32 columns at T=544 (one copy), more than
+    # the T=128 row's 8 tiles x 4 copies of 16 x 32
+    assert grown[0] == (32, 17 * 32 * 32)
+
+
+def test_accumulator_copies_are_at_most_one_per_stage_a_job():
+    # D=160 in 64-column slices: 3 stage-A jobs a tile, so at most 3 copies; the tiled variant has
+    # one job a tile and plain stores
+    spec = make_spec()
+    for copies, used in ((1, 1), (2, 2), (3, 3), (8, 3)):
+        plan = mm._plan(spec, LaunchConfig(16, 32, 64, r_splits=2, acc_copies=copies), 37)
+        assert (plan["n_splits"], plan["acc_copies"]) == (3, used)
+        assert plan["acc_elems"] == plan["n_tiles"] * used * 16 * mm._slot_width(4)
+    assert mm._plan(spec, LaunchConfig(16, 32, 4096, acc_copies=4), 37)["acc_copies"] == 1
