@@ -50,7 +50,8 @@ organised around moving those bytes once:
   _widen): ~10-14% fewer instructions per chunk than Triton's one-at-a-time conversions.
 * The coefficients need the whole row: the tile's partial sums ((2+n)n projections, sum X'^2,
   sum c^2) meet in one fp32 accumulator row per token (kept column by column in a [SLOT, TILE_T]
-  block per tile: _acc_block; plain stores when one job covers D, fp32 atomics when D is split).
+  block per tile: _acc_block; plain stores when one job covers D, fp32 atomics when D is split,
+  spread over `LaunchConfig.acc_copies` copies of the block that the merge sums).
   The program that completes the tile reads them as [TILE_T] vectors and
   runs r = rsqrt(mean(X'^2) + eps), the sigmoid gates, softmax and exactly the reference's Sinkhorn
   truncation fully unrolled (n*n vectors; row and column sums are plain additions), and stores
@@ -108,16 +109,17 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json): CUDA-graph replay 5.9 / 11.3 / 24.8 / 146 us at
-T = 1 / 64 / 512 / 4096 against 61 / 93 / 301 / 1780 us for the same chain under torch.compile
+Measured (H200, results/bench_mhc.json): CUDA-graph replay 5.9 / 9.7 / 24.8 / 146 us at
+T = 1 / 64 / 512 / 4096 against 58 / 96 / 303 / 1780 us for the same chain under torch.compile
 (instances differ: the stop-11 kernel measured 10.4 us at T=64 on one, 12.0 on another). Where the
 time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the first start): at T=1,
 job claim 0.5 us, stage A done 2.0-2.5, arrived 2.7-3.2 (the release fence waits for the
 partial-sum atomics), rescale done 3.9-4.2, coefficients + Sinkhorn done 5.3 (the last program;
-Sinkhorn's rounds are ~1.4 us of it); at T=64 stage A takes 4.7 us (median; three [16, 64]
-chunks: one warp's instruction latency with one or two programs per SM; the slowest jobs 7.7),
-then the merge and Sinkhorn ~2 us after the last arrival; at T=4096 the stage-A jobs end at
-120-129 us, the merges at 126-133 and the rescale jobs at 136-143 (the parked collapse is
+Sinkhorn's rounds are ~1.4 us of it); at T=64 stage A takes 4.7 us (median, 5.1 max; three
+[16, 64] chunks: one warp's instruction latency, one program per SM: a stage-A job that shared an
+SM took 7.2-7.7), the arrival ~0.9 us more (with the partial sums in 4 accumulator copies; 1.9
+with one), then the merge and Sinkhorn ~2.8 us after the last arrival; at T=4096 the stage-A jobs
+end at 121-128 us, the merges at 126-132 and the rescale jobs at 136-144 (the parked collapse is
 re-read, much of it from HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the
 launch with each of LEAVE_OUT_PARTS compiled out; measured before the paired conversions and
 sub-tiles): the projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at
