@@ -290,7 +290,8 @@ def trace_T(T: int, device, cfg: LaunchConfig, log, replays: int = 7, leave_out:
         cells = "  ".join(f"{name} {r[name]['median_us']:.2f}/{r[name]['max_us']:.2f}"
                           + (f" (n={r[name]['n']})" if r[name]["n"] != r["programs"] else "")
                           for name in mm.TRACE_TIMES if name in r)
-        log(f"    {role:9s} x{r['programs']:<4d} median/max us after first start: {cells}")
+        log(f"    {role:9s} x{r['programs']:<4d} ({r['sharing_sm']:g} beside another on their SM) "
+            f"median/max us after first start: {cells}")
     return out
 
 
@@ -320,20 +321,23 @@ def leave_out_T(T: int, device, cfg: LaunchConfig, log) -> list:
 
 def summarise_traces(rows: list) -> dict:
     """Per launch (an int64 [programs, len(mm.TRACE_EVENTS)] trace), event times relative to the
-    earliest program start, summarised per role as {programs, event: {n, median_us, max_us}}
-    (n: programs that reached the event); then the median of each number over the launches, with
-    `span_us` (first start to last end)."""
+    earliest program start, summarised per role as {programs, sharing_sm, event: {n, median_us,
+    max_us}} (n: programs that reached the event; sharing_sm: programs that ran beside another
+    program of the launch on their SM, which slows both); then the median of each number over the
+    launches, with `span_us` (first start to last end)."""
     times = mm.TRACE_TIMES
     role_col = mm.TRACE_EVENTS.index("role")
     summaries = []
     for t in rows:
         start = t[:, 0][t[:, 0] > 0].min()
         s = {"span_us": float((t[:, times.index("end")].max() - start) / 1e3), "roles": {}}
+        sharing = _sharing_an_sm(t)
         for role_id, role in enumerate(mm.TRACE_ROLES):
             mine = t[t[:, role_col] == role_id]
             if len(mine) == 0:
                 continue
-            r = s["roles"][role] = {"programs": len(mine)}
+            r = s["roles"][role] = {"programs": len(mine),
+                                    "sharing_sm": int(sharing[t[:, role_col] == role_id].sum())}
             for k, name in enumerate(times):
                 hit = mine[:, k][mine[:, k] > 0]
                 if len(hit):
@@ -342,13 +346,24 @@ def summarise_traces(rows: list) -> dict:
         summaries.append(s)
     out = {"span_us": median([s["span_us"] for s in summaries]), "roles": {}}
     for role, r0 in summaries[0]["roles"].items():
-        role_out = out["roles"][role] = {"programs": r0["programs"]}
+        role_out = out["roles"][role] = {
+            "programs": r0["programs"],
+            "sharing_sm": median([s["roles"][role]["sharing_sm"] for s in summaries if role in s["roles"]])}
         for name in times:
             vals = [s["roles"][role][name] for s in summaries if name in s["roles"].get(role, {})]
             if vals:
                 role_out[name] = {"n": vals[0]["n"], "median_us": median([v["median_us"] for v in vals]),
                                   "max_us": median([v["max_us"] for v in vals])}
     return out
+
+
+def _sharing_an_sm(t: torch.Tensor) -> torch.Tensor:
+    """Per program of one traced launch: did another program run on its SM while it ran (their
+    [start, end] overlap)?"""
+    sm, start, end = (t[:, mm.TRACE_EVENTS.index(name)] for name in ("sm", "start", "end"))
+    same_sm = sm[:, None] == sm[None, :]
+    overlap = (start[:, None] < end[None, :]) & (start[None, :] < end[:, None])
+    return (same_sm & overlap).sum(1) > 1  # (each program overlaps itself)
 
 
 def seam_bytes(T: int, spec: MhcSpec = V41) -> int:
