@@ -16,7 +16,8 @@ RMSNorm), 20 Sinkhorn iterations, eps 1e-6 / 1e-20; T in {1, 64, 512, 4096}. In 
    fastest correct one is what step 3 times (the data behind `mega_mhc.choose_config`);
    `--trace`: where that configuration's launch spends its time, from a traced build of the kernel
    (per program, the GPU's %globaltimer at each phase: claimed, stage A done, arrived, merged,
-   ready, rescaled, ended), replayed in a CUDA graph and summarised per role;
+   ready, rescaled, ended; and its SM), replayed in a CUDA graph and summarised per role, with the
+   programs that ran beside another on their SM;
 3. per T, medians: CUDA-graph replay (`triton.testing.do_bench_cudagraph`) of (a) the fused kernel,
    (b) the same chain as plain torch (model.mhc + rms_normalize) under `torch.compile` (default
    mode), (c) eager; plain `do_bench` of the fused kernel (eager launches); the fused kernel in
