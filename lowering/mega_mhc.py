@@ -471,7 +471,7 @@ def _add_partials(acc_ptr, tile, acc_copy, rows64, row_ok, acc, sumsq, csq, TILE
     cols = tl.arange(0, SLOT)[None, :]
     part = tl.where(cols == SUMSQ_COL, sumsq[:, None], tl.where(cols == CSQ_COL, csq[:, None], acc))
     offs = cols * TILE_T + (rows64 - tile * TILE_T)[:, None]  # (token within the tile, column)
-    acc_ptr = _acc_block(acc_ptr, tile, TILE_T, ACC_COPIES) + acc_copy * (SLOT * TILE_T)
+    acc_ptr = _in_copy(_acc_block(acc_ptr, tile, TILE_T, ACC_COPIES), acc_copy, TILE_T)
     if ATOMIC:
         # relaxed: the tile's arrival (a release) publishes them
         tl.atomic_add(acc_ptr + offs, part, mask=row_ok[:, None] & (cols <= CSQ_COL), sem="relaxed")
@@ -492,9 +492,15 @@ def _acc_block(acc_ptr, tile, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr):
 
 
 @triton.jit
+def _in_copy(ptrs, k, TILE_T: tl.constexpr):
+    """`ptrs` into copy 0 of a tile's accumulator block, moved to the same places in copy k."""
+    return ptrs + k * (SLOT * TILE_T)
+
+
+@triton.jit
 def _tile_column(acc_ptr, tile, col, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr):
     """Pointers to column `col` of copy 0 of the tile's accumulator block, one per token of the
-    tile (copy k: + k * SLOT * TILE_T)."""
+    tile (other copies: _in_copy)."""
     return _acc_block(acc_ptr, tile, TILE_T, ACC_COPIES) + col * TILE_T + tl.arange(0, TILE_T)
 
 
@@ -504,16 +510,16 @@ def _column_sum(column, row_ok, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr):
     pointers, _tile_column). .cg: read at L2, where every job's atomics landed."""
     total = tl.load(column, mask=row_ok, other=0.0, cache_modifier=".cg")
     for k in tl.static_range(1, ACC_COPIES):
-        total += tl.load(column + k * (SLOT * TILE_T), mask=row_ok, other=0.0, cache_modifier=".cg")
+        total += tl.load(_in_copy(column, k, TILE_T), mask=row_ok, other=0.0, cache_modifier=".cg")
     return total
 
 
 @triton.jit
-def _clear_column(column, mask, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr):
-    """Zero one column of the partial sums in every copy (for the next launch); `column`: copy 0's
-    pointers, of one tile or several."""
+def _clear_copies(ptrs, mask, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr):
+    """Zero these partial sums in every copy (for the next launch); `ptrs`: copy 0's, of one tile
+    or several, any shape."""
     for k in tl.static_range(ACC_COPIES):
-        tl.store(column + k * (SLOT * TILE_T), tl.where(mask, 0.0, 0.0), mask=mask)
+        tl.store(_in_copy(ptrs, k, TILE_T), tl.where(mask, 0.0, 0.0), mask=mask)
 
 
 @triton.jit
@@ -563,9 +569,7 @@ $GATE_LINES
         tl.debug_barrier()  # every thread's reads of the row come first
         cols = tl.arange(0, SLOT)[None, :]
         kept = CSQ_COL if KEEP_CSQ else SLOT  # (no column is SLOT)
-        for k in tl.static_range(ACC_COPIES):
-            tl.store(sums[:, None] + (k * SLOT + cols) * TILE_T, tl.full([TILE_T, SLOT], 0.0, dtype=tl.float32),
-                     mask=row_ok[:, None] & (cols != kept))
+        _clear_copies(sums[:, None] + cols * TILE_T, row_ok[:, None] & (cols != kept), TILE_T, ACC_COPIES)
     if PUBLISH:
         tl.debug_barrier()
         tl.atomic_xchg(ready_ptr, 1, sem="release")
@@ -825,7 +829,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             csq = tl.where(failed, float("nan"), csq)
             rows = tile * TILE_T + tl.arange(0, TILE_T)
             csq_ptrs = _tile_column(acc_ptr, tile, CSQ_COL, TILE_T, ACC_COPIES)
-            tl.atomic_add(csq_ptrs + (part % ACC_COPIES) * (SLOT * TILE_T), csq, mask=rows < T, sem="relaxed")
+            tl.atomic_add(_in_copy(csq_ptrs, part % ACC_COPIES, TILE_T), csq, mask=rows < T, sem="relaxed")
             _stamp(trace_ptr, EV_WORK, TRACE)
             ticket = _arrive(sync + ARRIVE_C)
             _stamp(trace_ptr, EV_ARRIVED, TRACE)
@@ -833,7 +837,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                 tl.store(inv_ws + tile * TILE_T + tl.arange(0, TILE_T),
                          _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES)))
                 tl.debug_barrier()
-                _clear_column(csq_ptrs, rows < T, TILE_T, ACC_COPIES)  # for the next launch
+                _clear_copies(csq_ptrs, rows < T, TILE_T, ACC_COPIES)  # for the next launch
                 tl.atomic_xchg(sync + READY_C, 1, sem="release")
                 _stamp(trace_ptr, EV_FINISHED, TRACE)
         elif role == ROLE_RESCALE:  # (else no job: only if the sync state was corrupted)
@@ -875,7 +879,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                 if not FRESH:
                     for i in range(0, n_tiles * TILE_T, 1024):
                         offs = i + tl.arange(0, 1024)
-                        _clear_column(_acc_block(acc_ptr, offs // TILE_T, TILE_T, ACC_COPIES) + CSQ_COL * TILE_T
+                        _clear_copies(_acc_block(acc_ptr, offs // TILE_T, TILE_T, ACC_COPIES) + CSQ_COL * TILE_T
                                       + offs % TILE_T, offs < n_tiles * TILE_T, TILE_T, ACC_COPIES)
                 tl.atomic_xchg(sync_ptr + JOB_COUNTER, 0, sem="relaxed")
                 tl.atomic_xchg(sync_ptr + DONE_COUNTER, 0, sem="relaxed")

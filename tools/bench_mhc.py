@@ -334,11 +334,11 @@ def summarise_traces(rows: list) -> dict:
         s = {"span_us": float((t[:, times.index("end")].max() - start) / 1e3), "roles": {}}
         sharing = _sharing_an_sm(t)
         for role_id, role in enumerate(mm.TRACE_ROLES):
-            mine = t[t[:, role_col] == role_id]
+            in_role = t[:, role_col] == role_id
+            mine = t[in_role]
             if len(mine) == 0:
                 continue
-            r = s["roles"][role] = {"programs": len(mine),
-                                    "sharing_sm": int(sharing[t[:, role_col] == role_id].sum())}
+            r = s["roles"][role] = {"programs": len(mine), "sharing_sm": int(sharing[in_role].sum())}
             for k, name in enumerate(times):
                 hit = mine[:, k][mine[:, k] > 0]
                 if len(hit):
