@@ -109,8 +109,8 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json): CUDA-graph replay 5.9 / 9.7 / 24.8 / 146 us at
-T = 1 / 64 / 512 / 4096 against 58 / 96 / 303 / 1780 us for the same chain under torch.compile
+Measured (H200, results/bench_mhc.json): CUDA-graph replay 5.9 / 9.7 / 24.8 / 144 us at
+T = 1 / 64 / 512 / 4096 against 59 / 98 / 302 / 1781 us for the same chain under torch.compile
 (instances differ: the stop-11 kernel measured 10.4 us at T=64 on one, 12.0 on another). Where the
 time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the first start): at T=1,
 job claim 0.5 us, stage A done 2.0-2.5, arrived 2.7-3.2 (the release fence waits for the
@@ -118,8 +118,10 @@ partial-sum atomics), rescale done 3.9-4.2, coefficients + Sinkhorn done 5.3 (th
 Sinkhorn's rounds are ~1.4 us of it); at T=64 stage A takes 4.7 us (median, 5.1 max; three
 [16, 64] chunks: one warp's instruction latency, one program per SM: a stage-A job that shared an
 SM took 7.2-7.7), the arrival ~0.9 us more (with the partial sums in 4 accumulator copies; 1.9
-with one), then the merge and Sinkhorn ~2.8 us after the last arrival; at T=4096 the stage-A jobs
-end at 121-128 us, the merges at 126-132 and the rescale jobs at 136-144 (the parked collapse is
+with one), then the merge ~2.8 us after the last arrival (its loads 1.0 us, gates and softmax 0.6,
+Sinkhorn's rounds 1.2) beside the rescale jobs (two [16, 512] blocks in 1.7 us, then the end
+ticket; results/bench_mhc_runs/stop14_experiments.json); at T=4096 the stage-A jobs
+end at 120-127 us, the merges at 125-131 and the rescale jobs at 135-142 (the parked collapse is
 re-read, much of it from HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the
 launch with each of LEAVE_OUT_PARTS compiled out; measured before the paired conversions and
 sub-tiles): the projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at
@@ -507,10 +509,10 @@ def _tile_column(acc_ptr, tile, col, TILE_T: tl.constexpr, ACC_COPIES: tl.conste
 @triton.jit
 def _column_sum(column, row_ok, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr):
     """One column of a tile's partial sums, [TILE_T]: the sum of its copies (`column`: copy 0's
-    pointers, _tile_column). .cg: read at L2, where every job's atomics landed."""
-    total = tl.load(column, mask=row_ok, other=0.0, cache_modifier=".cg")
+    pointers, _tile_column); plain loads, after the acquire that made the sums complete (_wait)."""
+    total = tl.load(column, mask=row_ok, other=0.0)
     for k in tl.static_range(1, ACC_COPIES):
-        total += tl.load(_in_copy(column, k, TILE_T), mask=row_ok, other=0.0, cache_modifier=".cg")
+        total += tl.load(_in_copy(column, k, TILE_T), mask=row_ok, other=0.0)
     return total
 
 
@@ -613,8 +615,7 @@ def _parked_block(u_ptr, w_ptr, rows64, row_ok, b, b_end, R_BLOCK: tl.constexpr)
     and of the norm weight; all masked past b_end."""
     d = b * R_BLOCK + tl.arange(0, R_BLOCK)
     d_ok = (d < D) & ((d * 0 + b) < b_end)
-    collapsed = tl.load(u_ptr + rows64[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                        other=0.0, cache_modifier=".cg")
+    collapsed = tl.load(u_ptr + rows64[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     return collapsed, tl.load(w_ptr + d, mask=d_ok, other=0.0)
 
 
@@ -684,7 +685,12 @@ def _arrive(counter_ptr):
 @triton.jit
 def _wait(counter_ptr, target, MAX_SPINS: tl.constexpr):
     """Spin (acquire) until the counter reaches target; True if it never does (corrupted sync
-    state)."""
+    state). What the releases published is then read with plain loads (by every thread: Triton's
+    scalar atomic is one thread's, followed by a CTA barrier, the cooperative-groups grid-sync
+    pattern; on sm_90 the acquire also invalidates the SM's L1, CCTL.IVALL). .cg loads, which
+    sm_90 issues as strong GPU-scope loads (LDG.E.STRONG.GPU), measured slower on the H200 at T=64
+    (9.75 against 9.60 us, results/bench_mhc_runs/stop14_experiments.json) and no faster
+    elsewhere (T=1 5.92 / 5.90, T=512 24.65 / 24.58). _arrive's acquire serves its merge alike."""
     value = tl.atomic_add(counter_ptr, 0, sem="acquire")
     spins = 0
     while (value < target) & (spins < MAX_SPINS):
@@ -847,7 +853,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             if FRESH:
                 failed = _wait(sync + READY_C, 1, MAX_SPINS)
                 _stamp(trace_ptr, EV_READY, TRACE)
-                inv_c = tl.load(inv_ws + tile * TILE_T + tl.arange(0, TILE_T), cache_modifier=".cg")
+                inv_c = tl.load(inv_ws + tile * TILE_T + tl.arange(0, TILE_T))
             else:
                 # every stage-A job of the tile has arrived (each a release): sum(c^2) is complete,
                 # so the rescale need not wait for the tile's merge (coefficients, Sinkhorn)
@@ -1232,10 +1238,10 @@ def generate_source(spec: MhcSpec) -> str:
     block("SUB_BODY", 0, sub_body("").split("\n"))
     block("SUB_BODY_S1", 4, sub_body(SUB_SUFFIX[1]).split("\n"))
     block("FRESH_PRE_LINES", 4,
-          [f"pre_{k} = tl.load(pre_ptr + rows64 * N + {k}, mask=row_ok, other=0.0, cache_modifier=\".cg\")"
+          [f"pre_{k} = tl.load(pre_ptr + rows64 * N + {k}, mask=row_ok, other=0.0)"
            for k in streams])
     block("FRESH_XO_LINES", 12,
-          [f"x_{k} = tl.load(x_ptrs{step(k, 'D')}, mask=ok, other=0.0, cache_modifier=\".cg\")" for k in streams])
+          [f"x_{k} = tl.load(x_ptrs{step(k, 'D')}, mask=ok, other=0.0)" for k in streams])
     block("FRESH_X_LINES", 12,
           [f"x_{k} = tl.load(x_ptrs{step(k, 'stride_xk')}, mask=ok, other=0.0)" for k in streams])
     block("F32_LINES", 8, widen_lines(""))
@@ -1340,7 +1346,8 @@ class LaunchConfig:
 
 
 # CUDA launch table: the fastest correct configuration of tools/bench_mhc.py --sweep on one H200
-# (D=5120, n=4, bf16 streams, delayed seam, CUDA-graph replay; results/bench_mhc.json "sweep", and
+# (D=5120, n=4, bf16 streams, delayed seam, CUDA-graph replay; results/bench_mhc_runs/stop13_sweep.json
+# "sweep", the last --sweep run, and
 # results/bench_mhc_runs/stop12_experiments.json for T = 1024 and 2048). Rows: (max T, config).
 #   T=1    160 one-chunk stage-A jobs of 32 columns + 10   5.84 us (80 64-column jobs 6.29, the same
 #          rescale jobs                                           with 2 warps 6.02)

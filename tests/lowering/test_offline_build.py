@@ -217,3 +217,16 @@ def test_hopper_builds_tool_writes_one_row_per_kernel_and_token_count(tmp_path, 
     with pytest.raises(SystemExit):
         hopper_builds.main(["--tokens", "0"])
     assert "--tokens must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("form", ["delayed", "fresh"])
+def test_reads_after_an_acquire_are_plain_loads(form):
+    # What another program published (partial sums, the parked collapse, a fresh pre' and X') is
+    # read after an acquire (the rescale's and collapse's spin, the last arrival's acq_rel atomic),
+    # which orders it: plain loads suffice, where .cg loads became strong GPU-scope loads on sm_90
+    # and measured slower on the H200 (T=64 9.75 against 9.60 us,
+    # results/bench_mhc_runs/stop14_experiments.json). The stop-13 T=64 delayed build had 148.
+    build = hopper_builds.build_mhc(form, 64)
+    _check(build)
+    assert re.search(r"ld\.global\.cg", build.ptx) is None
+    assert "ld.global.gpu.acquire.b32" in build.ptx and "atom.global.gpu.acq_rel.add.u32" in build.ptx
