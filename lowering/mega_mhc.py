@@ -109,8 +109,8 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json): CUDA-graph replay 5.9 / 9.7 / 24.8 / 144 us at
-T = 1 / 64 / 512 / 4096 against 59 / 98 / 302 / 1781 us for the same chain under torch.compile
+Measured (H200, results/bench_mhc.json): CUDA-graph replay 5.9 / 9.7 / 24.9 / 148 us at
+T = 1 / 64 / 512 / 4096 against 61 / 94 / 298 / 1769 us for the same chain under torch.compile
 (instances differ: the stop-11 kernel measured 10.4 us at T=64 on one, 12.0 on another). Where the
 time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the first start): at T=1,
 job claim 0.5 us, stage A done 2.0-2.5, arrived 2.7-3.2 (the release fence waits for the
@@ -119,9 +119,9 @@ Sinkhorn's rounds are ~1.4 us of it); at T=64 stage A takes 4.7 us (median, 5.1 
 [16, 64] chunks: one warp's instruction latency, one program per SM: a stage-A job that shared an
 SM took 7.2-7.7), the arrival ~0.9 us more (with the partial sums in 4 accumulator copies; 1.9
 with one), then the merge ~2.8 us after the last arrival (its loads 1.0 us, gates and softmax 0.6,
-Sinkhorn's rounds 1.2) beside the rescale jobs (two [16, 512] blocks in 1.7 us, then the end
-ticket; results/bench_mhc_runs/stop14_experiments.json); at T=4096 the stage-A jobs
-end at 120-127 us, the merges at 125-131 and the rescale jobs at 135-142 (the parked collapse is
+Sinkhorn's rounds 1.2; results/bench_mhc_runs/stop14_experiments.json), the rescale jobs ending
+before it (two [16, 512] blocks pipelined, then the end ticket); at T=4096 the stage-A jobs
+end at 121-128 us, the merges at 126-133 and the rescale jobs at 136-144 (the parked collapse is
 re-read, much of it from HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the
 launch with each of LEAVE_OUT_PARTS compiled out; measured before the paired conversions and
 sub-tiles): the projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at
@@ -1361,7 +1361,11 @@ class LaunchConfig:
 #                                                                slice 11.76, 4 chunks 12.05, not
 #                                                                pipelined 12.10)
 #          (the 148 programs of 10 rescale jobs a tile put two on 16 SMs, and the stage-A jobs that
-#          shared an SM took 7.2-7.7 us against 4.7-5.2 alone, 8 warps a program 6.0)
+#          shared an SM took 7.2-7.7 us against 4.7-5.2 alone, 8 warps a program 6.0). The rescale
+#          is pipelined 3 deep (rescale_stages): its jobs' two blocks took 1.7 us after their
+#          1/rms and end 0.4 us sooner that way, which leaves the merge the launch's only critical
+#          path; in one process 9.58 against 9.64 us (stop14_experiments.json; 10 rescale jobs a
+#          tile with it 11.90)
 #   T=512  32 tiles x 8 slices + 5 rescale jobs a tile    24.72 us (10 rescale jobs a tile 25.09, 4
 #          (two 512-column blocks each), pipelined 3 deep       25.29, 2 deep 35.5, 12 chunks a
 #                                                                slice 27.95, fn split first 26.6,
@@ -1403,7 +1407,7 @@ class LaunchConfig:
 # against 76.2, T=4096 2 copies 147.4 against 148.1).
 _CUDA_TABLE = (
     (16, LaunchConfig(16, 32, 32, 16)),
-    (128, LaunchConfig(16, 64, 192, 5, pipeline_stages=3, acc_copies=4)),
+    (128, LaunchConfig(16, 64, 192, 5, pipeline_stages=3, acc_copies=4, rescale_stages=3)),
     (512, LaunchConfig(16, 64, 640, 8, pipeline_stages=3)),
     (1024, LaunchConfig(32, 64, 640, 8, pipeline_stages=3, sub_tiles=2)),
     (2048, LaunchConfig(32, 64, 1280, 4, pipeline_stages=3, sub_tiles=2, rescale_stages=3)),

@@ -226,9 +226,10 @@ def sweep_configs(T: int) -> list[LaunchConfig]:
     if T <= 16:
         return [C(16, 64, 64, 8), C(16, 32, 32, 16, num_warps=2), C(16, 32, 64, 8)]
     if T <= 128:
-        # 4 tiles x 27 slices + 5 rescale jobs a tile = 128 programs, one per SM; the stop-12 row
-        # (10 rescale jobs a tile, one accumulator copy) first
-        return [C(16, 64, 192, 32, pipeline_stages=3), C(16, 64, 192, 5, pipeline_stages=3),
+        # 4 tiles x 27 slices + 5 rescale jobs a tile = 128 programs, one per SM; first the stop-13
+        # row (its rescale not pipelined) and the stop-12 row (10 rescale jobs a tile, one copy)
+        return [C(16, 64, 192, 5, pipeline_stages=3, acc_copies=4),
+                C(16, 64, 192, 32, pipeline_stages=3), C(16, 64, 192, 5, pipeline_stages=3),
                 C(16, 64, 192, 5, pipeline_stages=3, acc_copies=8), C(16, 64, 192, 32, pipeline_stages=3, acc_copies=4),
                 C(16, 64, 128, 32, pipeline_stages=3, acc_copies=4)]
     if T <= 1024:

@@ -365,15 +365,17 @@ def test_inconsistent_sub_tiles_are_refused(bad):
 
 
 def test_choose_config_pipelines_the_rescale_only_where_measured_and_free():
-    # the T > 1024 rows pipeline the rescale (measured on the bf16 delayed seam); where stage A
-    # stages no fn blocks its pipeline is smaller than the rescale's, so those forms keep 0
-    big = 4096
-    assert mm.choose_config(make_spec("delayed", "bfloat16", dim=5120), big).rescale_stages == 3
-    assert mm.choose_config(make_spec("first_seam", "bfloat16", dim=5120), big).rescale_stages == 3
-    for spec in (make_spec("delayed", "float32", dim=5120), make_spec("final_collapse", "bfloat16", dim=5120)):
-        assert mm.choose_config(spec, big).rescale_stages == 0
-    for T in (1, 64, 512, 1024):
+    # the T <= 128 and T > 1024 rows pipeline the rescale (measured on the bf16 delayed seam);
+    # where stage A stages no fn blocks its pipeline is smaller than the rescale's, so those forms
+    # keep 0
+    for T in (64, 4096):
+        assert mm.choose_config(make_spec("delayed", "bfloat16", dim=5120), T).rescale_stages == 3
+        assert mm.choose_config(make_spec("first_seam", "bfloat16", dim=5120), T).rescale_stages == 3
+        for spec in (make_spec("delayed", "float32", dim=5120), make_spec("final_collapse", "bfloat16", dim=5120)):
+            assert mm.choose_config(spec, T).rescale_stages == 0
+    for T in (1, 512, 1024):
         assert mm.choose_config(make_spec("delayed", "bfloat16", dim=5120), T).rescale_stages == 0
+    big = 4096
     assert mm.choose_config(make_spec("delayed", "bfloat16"), big, device="cpu").rescale_stages == 0
 
 
