@@ -688,9 +688,8 @@ def _wait(counter_ptr, target, MAX_SPINS: tl.constexpr):
     state). What the releases published is then read with plain loads (by every thread: Triton's
     scalar atomic is one thread's, followed by a CTA barrier, the cooperative-groups grid-sync
     pattern; on sm_90 the acquire also invalidates the SM's L1, CCTL.IVALL). .cg loads, which
-    sm_90 issues as strong GPU-scope loads (LDG.E.STRONG.GPU), measured slower on the H200 at T=64
-    (9.75 against 9.60 us, results/bench_mhc_runs/stop14_experiments.json) and no faster
-    elsewhere (T=1 5.92 / 5.90, T=512 24.65 / 24.58). _arrive's acquire serves its merge alike."""
+    sm_90 issues as strong GPU-scope loads (LDG.E.STRONG.GPU), measured slower on the H200
+    (results/bench_mhc_runs/stop14_experiments.json). _arrive's acquire serves its merge alike."""
     value = tl.atomic_add(counter_ptr, 0, sem="acquire")
     spins = 0
     while (value < target) & (spins < MAX_SPINS):

@@ -375,8 +375,7 @@ def test_choose_config_pipelines_the_rescale_only_where_measured_and_free():
             assert mm.choose_config(spec, T).rescale_stages == 0
     for T in (1, 512, 1024):
         assert mm.choose_config(make_spec("delayed", "bfloat16", dim=5120), T).rescale_stages == 0
-    big = 4096
-    assert mm.choose_config(make_spec("delayed", "bfloat16"), big, device="cpu").rescale_stages == 0
+    assert mm.choose_config(make_spec("delayed", "bfloat16"), 4096, device="cpu").rescale_stages == 0
 
 
 def test_choose_config_sub_tiles_only_where_fn_pieces_are_shared():
