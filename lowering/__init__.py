@@ -9,6 +9,7 @@
                    one launch), its launcher and its torch reference
     offline        build a launcher's kernel for a GPU that is not here (sm_90 by default): PTX,
                    cubin, registers, spills, shared memory, from CPU tensors
+    occupancy      how many programs of a compiled kernel an SM, or a whole device, holds at once
 
 Every generator here follows the same shape: a frozen spec with `key()` and `describe()`,
 `unsupported_reason(spec)` for the pass report, `generate_source(spec)` from a template in the

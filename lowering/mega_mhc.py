@@ -52,10 +52,11 @@ organised around moving those bytes once:
   sum c^2) meet in one fp32 accumulator row per token (kept column by column in a [SLOT, TILE_T]
   block per tile: _acc_block; plain stores when one job covers D, fp32 atomics when D is split,
   spread over `LaunchConfig.acc_copies` copies of the block that the merge sums).
-  The program that completes the tile reads them as [TILE_T] vectors and
+  The program that completes the tile reads them (one [TILE_T, SLOT] block load a copy, split
+  into [TILE_T] column vectors in registers) and
   runs r = rsqrt(mean(X'^2) + eps), the sigmoid gates, softmax and exactly the reference's Sinkhorn
-  truncation fully unrolled (n*n vectors; row and column sums are plain additions), and stores
-  pre', post', comb'. It loads the whole row before its first store; with a fresh pre it
+  truncation on n*n vectors (row and column sums are plain additions; the rounds in a loop of
+  SINKHORN_UNROLL rounds a trip), and stores pre', post', comb'. It loads the whole row before its first store; with a fresh pre it
   publishes pre' before Sinkhorn, which then overlaps the collapse jobs' work.
 * The norm's statistic needs the whole row too, so a second, short sweep rescales the parked
   collapse in place: u = c * rsqrt(mean(c^2) + eps) * w (reads and writes 2D bytes per token:
@@ -80,21 +81,32 @@ Variants (one kernel, constexpr switches; `choose_config` picks one per T):
   rescale jobs wait for the tile's stage-A arrivals, not for its merge: sum(c^2) is complete then,
   and each reads it from the accumulator row, so the merge (Sinkhorn) runs beside the rescale.
 
-Forward progress in the split variant with epilogue jobs: jobs are numbered by an atomic counter
-taken at program start (stage-A jobs first, then fresh-collapse jobs, then rescale jobs), and a job
-only ever waits on jobs of earlier stages. When a program holds a waiting job, every job it waits
-on has already been claimed by a running program that itself waits only on earlier ones: no
-deadlock whatever the dispatch order or occupancy (the argument of decoupled look-back scans;
-lowering/mega_gate.py uses it too). A wait is bounded (MAX_SPINS) only against a corrupted sync
-state: it then ends in NaN output, never a hang or a plausible wrong answer.
+Forward progress in the split variant with epilogue jobs: jobs are numbered stage-A jobs first,
+then fresh-collapse jobs, then rescale jobs, and a job only ever waits on jobs of earlier stages.
+Two ways to number them, one argument each:
+* co-resident (`LaunchConfig.co_resident`, where the device holds the whole grid at once: the
+  compiled kernel's occupancy, `_fits_at_once`): the grid is launched cooperatively, which CUDA
+  runs only with every program resident at once (it refuses a grid that cannot be, with an error,
+  never a hang), and job = program id. Every job a waiting job waits on is running. T = 1 and 64
+  on the H200 (170 and 128 programs).
+* otherwise jobs are claimed from an atomic counter at program start. When a program holds a
+  waiting job, every job it waits on has already been claimed by a running program that itself
+  waits only on earlier ones: no deadlock whatever the dispatch order or occupancy (the argument
+  of decoupled look-back scans; lowering/mega_gate.py uses it too). The claims of a launch
+  serialise on the counter (the last one at T=64 came 0.45 us after the first start).
+The interpreter runs programs one at a time in program-id order, which is the claim order, so
+there job = program id holds without a cooperative launch. A wait is bounded (MAX_SPINS) only
+against a corrupted sync state: it then ends in NaN output, never a hang or a plausible wrong
+answer.
 
 Numerics: every statistic is fp32 over the rounded values, as in the reference. Projection: with
 bf16 streams X' is exactly bf16, so fn is split into two bf16 pieces (hi + lo: 16 of fp32's 24
 mantissa bits) and two bf16 tensor-core dots accumulate in fp32; measured against the fp32 GEMM
 the coefficients differ by ~1e-7..2e-6 (relative L2, H200), the size of fp32 summation noise. With
-fp32 streams the dot runs 3xTF32 (`input_precision="tf32x3"`). Sinkhorn multiplies by a
-reciprocal (`rcp.approx` on the GPU: within an ulp of the division); other divisions are Triton's
-fp32 `/`.
+fp32 streams the dot runs 3xTF32 (`input_precision="tf32x3"`). Sinkhorn and the sigmoid gates
+multiply by a reciprocal (`rcp.approx` on the GPU: within an ulp of the division), and the merge's
+exp is `ex2.approx.ftz` (subnormal results flush to zero; every one then meets an eps >= 1e-20
+or a 1 +); other divisions are Triton's fp32 `/`.
 With D split in more than two slices the fp32 atomics meet in a run-dependent order, so the
 coefficients and u may differ in the last bits between runs (the tiled variant is deterministic).
 The interpreter upcasts bf16 dot operands (numpy has no bf16 matmul) and rounds fp32 -> bf16 to
@@ -144,7 +156,7 @@ from dataclasses import dataclass
 import torch
 import triton.language  # noqa: F401  (import Triton before any kernel module: see kernel_cache)
 
-from . import kernel_cache
+from . import kernel_cache, occupancy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRE_MODES = ("carried", "fresh")
@@ -323,21 +335,37 @@ if os.environ.get("TRITON_INTERPRET") == "1" and hasattr(tl.standard, "_sum_comb
 
 
 @triton.jit
-def _sigmoid(z):
-    return 1.0 / (1.0 + tl.exp(-z))
+def _exp(x, INTERPRETED: tl.constexpr):
+    """e^x for the merge's gates and softmax: on the GPU one ex2.approx.ftz after the scaling by
+    log2(e) (tl.exp's ex2.approx keeps subnormal results, which costs a range test and two
+    multiplications per value; here they flush to zero, below every eps the results meet). The
+    merge is one dependent chain per token, so its instruction count is its latency: with _sigmoid
+    below, T=64 measured 9.07 against 9.47 us (results/bench_mhc_runs/stop15_experiments.json)."""
+    if INTERPRETED:
+        e = tl.exp(x)
+    else:
+        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $$0, $$1;", "=f,f", [x * 1.4426950408889634],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    return e
 
 
 @triton.jit
 def _reciprocal(x, INTERPRETED: tl.constexpr):
-    """1 / x for Sinkhorn's normalisations: on the GPU one MUFU.RCP (rcp.approx.ftz, within an ulp;
-    x >= eps > 0, never subnormal), where `/` also range-checks: Sinkhorn's rounds are one
-    thread's dependent chain per token, so each instruction in it is latency."""
+    """1 / x for Sinkhorn's normalisations and the gates: on the GPU one MUFU.RCP (rcp.approx.ftz,
+    within an ulp; x >= eps > 0, never subnormal), where `/` also range-checks: Sinkhorn's rounds
+    are one thread's dependent chain per token, so each instruction in it is latency."""
     if INTERPRETED:
         r = 1.0 / x
     else:
         r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $$0, $$1;", "=f,f", [x], dtype=tl.float32,
                                       is_pure=True, pack=1)
     return r
+
+
+@triton.jit
+def _sigmoid(z, INTERPRETED: tl.constexpr):
+    """1 / (1 + e^-z) with _exp and _reciprocal (1 + e^-z >= 1: no subnormals; an ulp from `/`)."""
+    return _reciprocal(1.0 + _exp(-z, INTERPRETED), INTERPRETED)
 
 
 @triton.jit
@@ -561,8 +589,6 @@ def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, re
     else:
         inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES))  # the carried collapse's
     if HAS_COEFFS:
-        # r scales the projection instead of the input: one scalar per token, over all n*D values
-        r = tl.rsqrt(_column_sum(sums + SUMSQ_COL * TILE_T, row_ok, TILE_T, ACC_COPIES) / ND + STAT_EPS)
         s_pre = tl.load(scale_ptr)
         s_post = tl.load(scale_ptr + 1)
         s_comb = tl.load(scale_ptr + 2)
@@ -742,15 +768,16 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                     SPLIT_CHUNKS: tl.constexpr, N_SPLITS: tl.constexpr, R_BLOCK: tl.constexpr,
                     R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
                     RESCALE_STAGES: tl.constexpr, ACC_COPIES: tl.constexpr, PRESPLIT: tl.constexpr,
-                    INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr, TRACE: tl.constexpr,
-                    LEAVE_OUT: tl.constexpr):
+                    CO_RESIDENT: tl.constexpr, INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr,
+                    TRACE: tl.constexpr, LEAVE_OUT: tl.constexpr):
     """Grid (1-D); D is N_CHUNKS chunks of BLOCK_D, a stage-A job takes SPLIT_CHUNKS of them.
 
     tiled        (N_SPLITS == 1)                 n_tiles programs, job = program id
     last arrival (N_SPLITS > 1, R_SPLITS == 0)   n_tiles * N_SPLITS programs, job = program id
     epilogue jobs (N_SPLITS > 1, R_SPLITS > 0)   n_tiles * N_SPLITS stage-A jobs, (fresh)
         n_tiles * N_SPLITS collapse jobs, n_tiles * R_SPLITS rescale jobs of R_PER_JOB blocks of
-        R_BLOCK columns, claimed in start order (see "forward progress" in megafuse.lowering.mega_mhc)
+        R_BLOCK columns, claimed in start order, or with CO_RESIDENT (every program resident at once:
+        a cooperative launch) job = program id (see "forward progress" in megafuse.lowering.mega_mhc)
 
     fns_ptr: with PRESPLIT, fn already split into bf16 pieces by mega_mhc_split_fn (else unused).
     acc_ptr: [n_tiles, ACC_COPIES, SLOT, TILE_T] partial sums (_acc_block; split: persistent, all
@@ -795,8 +822,12 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             tl.atomic_xchg(arrive_a, 0, sem="relaxed")  # every arrival of this tile is in
             _stamp(trace_ptr, EV_FINISHED, TRACE)
     else:
-        # split with epilogue jobs, claimed in start order (see "forward progress")
-        job = tl.atomic_add(sync_ptr + JOB_COUNTER, 1, sem="relaxed")
+        # split with epilogue jobs (see "forward progress"): every program resident at once, or
+        # jobs claimed in start order
+        if CO_RESIDENT:
+            job = tl.program_id(0)
+        else:
+            job = tl.atomic_add(sync_ptr + JOB_COUNTER, 1, sem="relaxed")
         _stamp(trace_ptr, EV_CLAIMED, TRACE)
         n_a = n_tiles * N_SPLITS
         n_c = n_a if FRESH else 0
@@ -988,7 +1019,7 @@ def _project(acc, xs, w, INTERPRETED: tl.constexpr):
 
 _GENERATOR_FINGERPRINT = hashlib.sha1(
     (_TEMPLATE.template + _CHUNK_BODY.template + _SUB_BODY.template + _PROJECT_BF16 + _PROJECT_FP32
-     + "gen-v3").encode()).hexdigest()
+     + "gen-v4").encode()).hexdigest()
 
 
 def _fmt_float(x: float) -> str:
@@ -1024,18 +1055,55 @@ def _constants(spec: MhcSpec) -> str:
 
 def _gate_lines(spec: MhcSpec) -> list[str]:
     """The merge's loads and pre' (inside `if HAS_COEFFS:` of _finish_tile, before the tile is
-    published: a fresh collapse needs pre')."""
+    published: a fresh collapse needs pre'). The accumulator's columns become [TILE_T] vectors
+    m_0 .. m_WIDTH (the projections, then sum X'^2)."""
     width = spec.width()
+    slot = _slot_width(spec.n)
+    bits = (slot - 1).bit_length()
     out = ["# every load first: a load placed after a store waits for that store to issue (the",
            "# compiler cannot tell the two do not alias), so loads interleaved with the stores below",
-           "# made this merge a chain of L2 round trips (~4.5 us of a 10 us launch on the H200)"]
-    out += [f"m_{c} = _column_sum(sums + {c} * TILE_T, row_ok, TILE_T, ACC_COPIES)"
-            for c in range(width)]
+           "# made this merge a chain of L2 round trips (~4.5 us of a 10 us launch on the H200)",
+           "if ACC_COPIES > 1:",
+           "    # the tile's block, one [TILE_T, SLOT] load a copy, summed, then split into its columns in",
+           "    # registers (tl.split halves the last dimension: even and odd columns). Per-column [TILE_T]",
+           "    # loads are issued by every warp of the program alike (each thread holds every token's",
+           "    # value): 4x the loads, and T=64 measured 9.74 against 9.56 us with them (stop15_",
+           "    # experiments.json). With one copy they stay: at T=1 most of the block is padding tokens",
+           "    # that the masked column loads skip (5.84 against 5.94 us).",
+           "    blk_offs = sums[:, None] + tl.arange(0, SLOT)[None, :] * TILE_T",
+           "    blk = tl.load(blk_offs)",
+           "    for k in tl.static_range(1, ACC_COPIES):",
+           "        blk += tl.load(_in_copy(blk_offs, k, TILE_T))"]
+    # blk_<b0 b1 ...>: the columns whose low bits are b0, b1, ... (the last level is [TILE_T]);
+    # halves no column 0..WIDTH lies in are not split
+    paths = {c: "".join(str((c >> b) & 1) for b in range(bits)) for c in range(width + 1)}
+    level = [("blk", "")]
+    for depth in range(bits):
+        cols_left = slot >> (depth + 1)
+        halves = []
+        for name, path in level:
+            shaped = name if cols_left == 1 else f"tl.reshape({name}, [TILE_T, {cols_left}, 2])"
+            out.append(f"    blk_{path}0, blk_{path}1 = tl.split({shaped})")
+            halves += [(f"blk_{path}{b}", path + b) for b in "01" if any(p.startswith(path + b) for p in paths.values())]
+        level = halves
+    out += [f"    m_{c} = blk_{path}" for c, path in paths.items()]
+    out.append("else:")
+    out += [f"    m_{c} = _column_sum(sums + {c} * TILE_T, row_ok, TILE_T, ACC_COPIES)" for c in range(width + 1)]
+    out.append("# r scales the projection instead of the input: one scalar per token, over all n*D values")
+    out.append(f"r = tl.rsqrt(m_{width} / ND + STAT_EPS)  # (column {width}: sum X'^2)")
     out += [f"b_{c} = tl.load(base_ptr + {c})" for c in range(width)]
     out.append("# pre' = sigmoid(m * r * scale0 + base) + eps")
-    out += [f"tl.store(pre_ptr + rows64 * N + {k}, _sigmoid(m_{k} * r * s_pre + b_{k}) + HC_EPS, mask=row_ok)"
+    out += [f"tl.store(pre_ptr + rows64 * N + {k}, _sigmoid(m_{k} * r * s_pre + b_{k}, INTERPRETED) + HC_EPS, mask=row_ok)"
             for k in range(spec.n)]
     return out
+
+
+# Sinkhorn's rounds after the first run in a loop of SINKHORN_UNROLL rounds a trip (unrolled in the
+# loop body), the remainder unrolled after it: on the H200 at T=64 9.41 against 9.56 us for a loop of
+# one round a trip (results/bench_mhc_runs/stop15_experiments.json). Unrolling all of them measured
+# faster still but made each build ~10x slower (Triton's coalescing pass: stop14_experiments.json);
+# four rounds a trip build in ~2x the time.
+SINKHORN_UNROLL = 4
 
 
 def _comb_lines(spec: MhcSpec) -> list[str]:
@@ -1044,7 +1112,7 @@ def _comb_lines(spec: MhcSpec) -> list[str]:
     n = spec.n
     ks = range(n)
     out = ["# post' = 2 sigmoid(m * r * scale1 + base)"]
-    out += [f"tl.store(posto_ptr + rows64 * N + {k}, 2.0 * _sigmoid(m_{n + k} * r * s_post + b_{n + k}), mask=row_ok)"
+    out += [f"tl.store(posto_ptr + rows64 * N + {k}, 2.0 * _sigmoid(m_{n + k} * r * s_post + b_{n + k}, INTERPRETED), mask=row_ok)"
             for k in ks]
     out.append("# comb logits c_i_j, then Sinkhorn exactly as the reference truncates it: softmax over j")
     out.append("# (+eps), divide by column sums (+eps), then SINKHORN_ITERS-1 rounds of (rows, columns)")
@@ -1056,12 +1124,16 @@ def _comb_lines(spec: MhcSpec) -> list[str]:
         row = [f"c_{i}_{j}" for j in ks]
         out.append(f"mx = {_max_expr(row)}")
         for j in ks:
-            out.append(f"c_{i}_{j} = tl.exp(c_{i}_{j} - mx)")
+            out.append(f"c_{i}_{j} = _exp(c_{i}_{j} - mx, INTERPRETED)")
         out.append(f"inv = _reciprocal({_tree_sum(row)}, INTERPRETED)")
         for j in ks:
             out.append(f"c_{i}_{j} = c_{i}_{j} * inv + HC_EPS")
     out += _normalise_lines(n, "col", 0)
-    out.append("for _ in range(SINKHORN_ITERS - 1):")
+    out.append(f"for _ in range((SINKHORN_ITERS - 1) // {SINKHORN_UNROLL}):")
+    out.append(f"    for _ in tl.static_range({SINKHORN_UNROLL}):")
+    out += _normalise_lines(n, "row", 8)
+    out += _normalise_lines(n, "col", 8)
+    out.append(f"for _ in tl.static_range((SINKHORN_ITERS - 1) % {SINKHORN_UNROLL}):")
     out += _normalise_lines(n, "row", 4)
     out += _normalise_lines(n, "col", 4)
     for i in ks:
@@ -1327,6 +1399,12 @@ class LaunchConfig:
                  and wait on one another: at T=64 (27 jobs a tile) a job's arrival (a release,
                  which waits for its atomics) took 1.9 us after its sweep with one copy and 0.9
                  with four; the merge's loads grow with the copies (see the launch table)
+    co_resident  split variant with epilogue jobs, on CUDA: where the device holds every program
+                 of the launch at once (occupancy of the compiled kernel), launch them as one
+                 cooperative grid (CUDA refuses one that cannot be resident) and take job = program
+                 id, instead of every program claiming its job with an atomic on one counter
+                 first (the claims of a launch serialise there: the last came 0.45 us after the
+                 first start at T=64); False: always claim. See "forward progress"
     """
     tile_t: int
     block_d: int
@@ -1339,6 +1417,7 @@ class LaunchConfig:
     rescale_stages: int = 0
     sub_tiles: int = 1
     acc_copies: int = 1
+    co_resident: bool = True
 
     def variant(self, dim: int) -> str:
         return "tiled" if self.split_cols >= dim else "split"
@@ -1709,7 +1788,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         split[(-(-n * D // SPLIT_FN_BLOCK), spec.width())](fn, fn_pieces, BLOCK=SPLIT_FN_BLOCK,
                                                            INTERPRETED=interpret, num_warps=4)
     kernel = load(spec, interpret=interpret)
-    kernel[(plan["n_jobs"],)](
+    args = (
         streams, y if y is not None else dummy, post if post is not None else dummy,
         comb if comb is not None else dummy, carried_pre if carried_pre is not None else dummy,
         fn if spec.has_coefficients else dummy, fn_pieces, base if spec.has_coefficients else dummy,
@@ -1719,15 +1798,35 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         comb_out if comb_out is not None else acc, acc, ws, sync, trace if trace is not None else acc,
         T, x_stride[0], x_stride[1], y.stride(0) if y is not None else 0,
         post.stride(0) if post is not None else 0, comb.stride(0) if comb is not None else 0,
-        carried_pre.stride(0) if carried_pre is not None else 0, n_tiles,
+        carried_pre.stride(0) if carried_pre is not None else 0, n_tiles)
+    options = dict(
         TILE_T=cfg.tile_t, SUB_TILES=cfg.sub_tiles, BLOCK_D=cfg.block_d, N_CHUNKS=plan["n_chunks"],
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
         R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], PIPELINE_STAGES=cfg.pipeline_stages,
         RESCALE_STAGES=cfg.rescale_stages, ACC_COPIES=plan["acc_copies"], PRESPLIT=cfg.presplit_fn,
-        INTERPRETED=interpret,
+        CO_RESIDENT=False, INTERPRETED=interpret,
         MAX_SPINS=1 << 10 if interpret else 1 << 22, TRACE=trace is not None, LEAVE_OUT=leave_out_bits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (plan["n_jobs"],)
+    if cfg.co_resident and plan["r_splits"] > 0:
+        # the interpreter runs programs one at a time in program-id order, the order jobs are
+        # claimed in, so there job = program id holds as it is
+        co_resident = dict(options, CO_RESIDENT=True) if interpret else \
+            dict(options, CO_RESIDENT=True, launch_cooperative_grid=True)
+        if interpret or _fits_at_once(kernel, grid, args, co_resident, device):
+            options = co_resident
+    kernel[grid](*args, **options)
     return tuple(out)
+
+
+def _fits_at_once(kernel, grid, args, options, device) -> bool:
+    """Whether `device` holds every program of this launch at once: the occupancy of the kernel
+    these options compile (its registers and shared memory; Triton returns the build a launch
+    would use without launching it)."""
+    build = kernel.warmup(*args, grid=grid, **options)
+    build._init_handles()  # loads the binary, which is what reports its registers
+    return grid[0] <= occupancy.resident_programs(build.n_regs, build.metadata.shared, build.metadata.num_warps,
+                                                  device)
 
 
 def _leave_out_bits(parts) -> int:

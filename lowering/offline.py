@@ -34,13 +34,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend
 
+from .occupancy import HOPPER_SM, programs_per_sm
+
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_SMEM_PER_BLOCK = 227 * 1024  # the opt-in maximum of dynamic shared memory per block on sm_90
-# per-SM limits of sm_90 (CUDA occupancy calculator): registers, shared memory (plus 1 KB the
-# runtime reserves per block), resident warps and blocks; registers are allocated per warp in
-# units of 256
-HOPPER_SM = dict(registers=65536, shared_bytes=228 * 1024, reserved_smem_per_block=1024, warps=64, blocks=32,
-                 register_unit=256)
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
                  torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
@@ -72,12 +69,7 @@ class Build:
         shared memory, warps and block limits (None without a register count)."""
         if self.registers is None:
             return None
-        unit = sm["register_unit"]
-        per_warp = -(-self.registers * 32 // unit) * unit
-        limits = (sm["registers"] // (per_warp * self.num_warps),
-                  sm["shared_bytes"] // (self.shared_bytes + sm["reserved_smem_per_block"]),
-                  sm["warps"] // self.num_warps, sm["blocks"])
-        return min(limits)
+        return programs_per_sm(self.registers, self.shared_bytes, self.num_warps, sm)
 
 
 class _Recorder:

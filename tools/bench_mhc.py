@@ -162,6 +162,11 @@ def correctness_suite(device, dry: bool, log) -> list:
     # sum(c^2) in them too
     runs += [("v4_fresh/acc-copies", dataclasses.replace(delayed, pre="fresh"), 37 if dry else 64, None,
               LaunchConfig(16, 32, 32, r_splits=3, acc_copies=3) if dry else None)]
+    # jobs claimed with an atomic (co_resident=False: what a grid too large for the device at once
+    # gets) at a size whose tuned launch is co-resident
+    claimed = LaunchConfig(16, 32, 32, r_splits=3, acc_copies=3) if dry else mm.choose_config(delayed, 64)
+    runs += [("delayed/claimed-jobs", delayed, 37 if dry else 64, None,
+              dataclasses.replace(claimed, co_resident=False))]
     fp32 = dataclasses.replace(delayed, stream_dtype="float32")
     runs += [("delayed fp32", fp32, 37, "split", None)] + ([("delayed fp32", fp32, 3, "tiled", None)] if dry else [])
     odd = dataclasses.replace(delayed, dim=odd_D)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 
 import torch
@@ -36,6 +37,7 @@ from lowering import mega_gate, mega_mhc, offline
 from .output import console, environment, write_json
 
 D, N, EXPERTS, TOP_K = 5120, 4, 384, 6  # proxy / V4.1-Flash widths
+H200_SMS = 132
 TOKENS = (1, 64, 512, 4096)
 
 # the seam forms the proxy model has (results/tools/inspect_proxy.json) and V4's fresh pre
@@ -66,10 +68,16 @@ def mhc_inputs(spec: mega_mhc.MhcSpec, T: int) -> tuple:
 
 def build_mhc(form: str, T: int, config: mega_mhc.LaunchConfig | None = None) -> offline.Build:
     """The seam kernel of `form` as the H200 would launch it for T tokens (y in bf16: the model's),
-    or with `config` instead of the tuned launch configuration."""
+    or with `config` instead of the tuned launch configuration. A co-resident launch (epilogue jobs,
+    job = program id) where the H200 holds the whole grid at once, else the build whose jobs are
+    claimed, as the launcher decides on the GPU (`mega_mhc._fits_at_once`)."""
     spec = mhc_spec(form)
-    return offline.build_kernel(mega_mhc, mega_mhc.mega_mhc, *mhc_inputs(spec, T), spec,
-                                config=config or mega_mhc.choose_config(spec, T, device="cuda"))
+    config = config or mega_mhc.choose_config(spec, T, device="cuda")
+    build = offline.build_kernel(mega_mhc, mega_mhc.mega_mhc, *mhc_inputs(spec, T), spec, config=config)
+    if build.constexprs.get("CO_RESIDENT") and build.grid[0] > build.programs_per_sm() * H200_SMS:
+        build = offline.build_kernel(mega_mhc, mega_mhc.mega_mhc, *mhc_inputs(spec, T), spec,
+                                     config=dataclasses.replace(config, co_resident=False))
+    return build
 
 
 def gate_spec(input_dtype: str) -> mega_gate.GateSpec:

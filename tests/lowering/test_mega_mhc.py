@@ -181,6 +181,21 @@ def test_other_scalars_and_two_streams():
         run_case(two, T, how, seed=50 + i)
 
 
+@pytest.mark.parametrize("form", ["delayed", "v4_fresh"])
+def test_claimed_jobs_equal_co_resident_jobs(form):
+    # LaunchConfig.co_resident=False claims every job with an atomic (the path CUDA takes where
+    # the grid does not fit on the device at once); the interpreter runs programs in program-id
+    # order, the claim order, so both number the jobs alike and give the same bits
+    spec = make_spec(form, "bfloat16")
+    args = make_inputs(spec, 37, seed=67)
+    cfg = LaunchConfig(16, 32, 32, r_splits=3, acc_copies=2)
+    claimed = mega_mhc(*args, spec, config=dataclasses.replace(cfg, co_resident=False), out=poisoned(spec, 37))
+    assert_matches_reference(spec, args, claimed)
+    for got, want in zip(mega_mhc(*args, spec, config=cfg), claimed):
+        assert torch.equal(got, want)
+    assert not mm._states["cpu"].sync.any()
+
+
 def test_split_launches_leave_the_persistent_state_zero():
     """Fresh and carried epilogue jobs (the carried rescale jobs read sum(c^2) from the accumulator,
     and the launch's last job zeroes it) and the last-arrival mode all restore the zero state."""

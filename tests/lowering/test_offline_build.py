@@ -11,10 +11,12 @@ results/tools/inspect_proxy.json).
 import dataclasses
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from lowering import mega_mhc, offline
+from lowering import mega_mhc, occupancy, offline
 from tools import hopper_builds
 
 
@@ -161,6 +163,7 @@ def test_stage_a_converts_bf16_in_pairs(form):
     # and 188 registers instead of 244 (results/bench_mhc_runs/stop11_experiments.json)
     build = hopper_builds.build_mhc(form, 512, config=mega_mhc.LaunchConfig(16, 64, 640, 8, pipeline_stages=3))
     _check(build)
+    assert not build.constexprs["CO_RESIDENT"]  # 416 programs do not fit an H200 at once: claimed jobs
     assert len(re.findall(r"cvt\.rn\.bf16x2\.f32", build.ptx)) > 0
     assert re.search(r"cvt\.rn\.bf16\.f32", build.ptx) is None
     assert re.search(r"and\.b32 %r\d+, %r\d+, 0xFFFF0000;", build.ptx)  # _widen's high half
@@ -200,6 +203,32 @@ def test_programs_per_sm_is_the_tightest_hopper_limit():
     assert build(32, 4, 0).programs_per_sm() == 16  # warps bind: 64 / 4
     assert build(16, 1, 0).programs_per_sm() == 32  # the block limit
     assert build(None, 4, 0).programs_per_sm() is None
+
+
+def test_the_t64_merge_is_co_resident_with_approximate_exp_and_sinkhorn_in_fours():
+    # the tuned T=64 grid (128 programs) fits an H200 at once: job = program id, no claim. The
+    # merge's exp is one ex2.approx.ftz (no subnormal range test), and Sinkhorn's rounds run
+    # SINKHORN_UNROLL to a loop trip: one loop whose body holds that many rounds' reciprocals
+    # (n row and n column reciprocals a round)
+    build = hopper_builds.build_mhc("delayed", 64)
+    assert build.constexprs["CO_RESIDENT"] and build.grid == (128,)
+    assert "ex2.approx.ftz.f32" in build.ptx and "ex2.approx.f32" not in build.ptx
+    sinkhorn = [loop for loop in build.loops() if loop.opcodes.get("MUFU")]
+    assert [loop.opcodes["MUFU"] for loop in sinkhorn] == [2 * 4 * mega_mhc.SINKHORN_UNROLL]
+
+
+def test_resident_programs_of_a_device(monkeypatch):
+    # a co-resident Mega-mHC launch needs the whole grid on the device at once: programs per SM from
+    # the build's registers and shared memory, times the SMs; an architecture whose register and
+    # block limits are not known here counts one program per SM (what any launchable kernel fits)
+    props = lambda major: SimpleNamespace(major=major, minor=0, multi_processor_count=132, warp_size=32,
+                                          shared_memory_per_multiprocessor=228 * 1024,
+                                          max_threads_per_multi_processor=2048)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props(9))
+    assert occupancy.resident_programs(225, 88064, 4, torch.device("cuda")) == 2 * 132  # the T=64 seam
+    assert occupancy.resident_programs(128, 40960, 4, torch.device("cuda")) == 4 * 132
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props(7))
+    assert occupancy.resident_programs(128, 40960, 4, torch.device("cuda")) == 132
 
 
 def test_hopper_builds_tool_writes_one_row_per_kernel_and_token_count(tmp_path, capsys):
