@@ -56,8 +56,9 @@ organised around moving those bytes once:
   into [TILE_T] column vectors in registers) and
   runs r = rsqrt(mean(X'^2) + eps), the sigmoid gates, softmax and exactly the reference's Sinkhorn
   truncation on n*n vectors (row and column sums are plain additions; the rounds in a loop of
-  SINKHORN_UNROLL rounds a trip), and stores pre', post', comb'. It loads the whole row before its first store; with a fresh pre it
-  publishes pre' before Sinkhorn, which then overlaps the collapse jobs' work.
+  SINKHORN_UNROLL rounds a trip), and stores pre', post', comb'. It loads the whole row before
+  its first store; with a fresh pre it publishes pre' before Sinkhorn, which then overlaps the
+  collapse jobs' work.
 * The norm's statistic needs the whole row too, so a second, short sweep rescales the parked
   collapse in place: u = c * rsqrt(mean(c^2) + eps) * w (reads and writes 2D bytes per token:
   from L2 at small T; at T=4096 much of the parked 42 MB has left L2, and the rescale is the
@@ -135,9 +136,9 @@ arrival ~0.9 us more (with the partial sums in 4 accumulator copies; 1.9 with on
 ~2.6 us after the last arrival (its block loads, gates and softmax, Sinkhorn's rounds ~1 us), the
 rescale jobs ending before it (two [16, 512] blocks pipelined, then the end ticket); at T=4096
 (stop 14) the stage-A jobs end at 121-128 us, the merges at 126-133 and the rescale jobs at
-136-144 (the parked collapse is re-read, much of it from HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the
-launch with each of LEAVE_OUT_PARTS compiled out; measured before the paired conversions and
-sub-tiles): the projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at
+136-144 (the parked collapse is re-read, much of it from HBM). Within stage A (tools/bench_mhc.py
+--leave-out, which times the launch with each of LEAVE_OUT_PARTS compiled out; measured before the
+paired conversions and sub-tiles): the projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at
 T=512, 24 of 145 at T=4096), then fn's loads.
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
 launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
@@ -1085,7 +1086,8 @@ def _gate_lines(spec: MhcSpec) -> list[str]:
         for name, path in level:
             shaped = name if cols_left == 1 else f"tl.reshape({name}, [TILE_T, {cols_left}, 2])"
             out.append(f"    blk_{path}0, blk_{path}1 = tl.split({shaped})")
-            halves += [(f"blk_{path}{b}", path + b) for b in "01" if any(p.startswith(path + b) for p in paths.values())]
+            halves += [(f"blk_{path}{b}", path + b) for b in "01"
+                       if any(p.startswith(path + b) for p in paths.values())]
         level = halves
     out += [f"    m_{c} = blk_{path}" for c, path in paths.items()]
     out.append("else:")
@@ -1094,8 +1096,8 @@ def _gate_lines(spec: MhcSpec) -> list[str]:
     out.append(f"r = tl.rsqrt(m_{width} / ND + STAT_EPS)  # (column {width}: sum X'^2)")
     out += [f"b_{c} = tl.load(base_ptr + {c})" for c in range(width)]
     out.append("# pre' = sigmoid(m * r * scale0 + base) + eps")
-    out += [f"tl.store(pre_ptr + rows64 * N + {k}, _sigmoid(m_{k} * r * s_pre + b_{k}, INTERPRETED) + HC_EPS, mask=row_ok)"
-            for k in range(spec.n)]
+    out += [f"tl.store(pre_ptr + rows64 * N + {k}, _sigmoid(m_{k} * r * s_pre + b_{k}, INTERPRETED) + HC_EPS, "
+            "mask=row_ok)" for k in range(spec.n)]
     return out
 
 
@@ -1113,8 +1115,8 @@ def _comb_lines(spec: MhcSpec) -> list[str]:
     n = spec.n
     ks = range(n)
     out = ["# post' = 2 sigmoid(m * r * scale1 + base)"]
-    out += [f"tl.store(posto_ptr + rows64 * N + {k}, 2.0 * _sigmoid(m_{n + k} * r * s_post + b_{n + k}, INTERPRETED), mask=row_ok)"
-            for k in ks]
+    out += [f"tl.store(posto_ptr + rows64 * N + {k}, 2.0 * _sigmoid(m_{n + k} * r * s_post + b_{n + k}, "
+            "INTERPRETED), mask=row_ok)" for k in ks]
     out.append("# comb logits c_i_j, then Sinkhorn exactly as the reference truncates it: softmax over j")
     out.append("# (+eps), divide by column sums (+eps), then SINKHORN_ITERS-1 rounds of (rows, columns)")
     for i in ks:
