@@ -1822,10 +1822,21 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     return tuple(out)
 
 
+# Grids of more programs than this per SM are launched with claimed jobs without asking: learning
+# a co-resident build's occupancy means compiling it, which for a grid that then does not fit is a
+# build thrown away (every tuned row from T=512 up: 416 programs and more, two per SM at most; their
+# claims end in the first 0.5 us of a 24 us launch or longer).
+CO_RESIDENT_CANDIDATE_PER_SM = 2
+
+
 def _fits_at_once(kernel, grid, args, options, device) -> bool:
     """Whether `device` holds every program of this launch at once: the occupancy of the kernel
     these options compile (its registers and shared memory; Triton returns the build a launch
-    would use without launching it)."""
+    would use without launching it). Grids of more than CO_RESIDENT_CANDIDATE_PER_SM programs a
+    SM are not compiled to find out."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if grid[0] > CO_RESIDENT_CANDIDATE_PER_SM * sms:
+        return False
     build = kernel.warmup(*args, grid=grid, **options)
     build._init_handles()  # loads the binary, which is what reports its registers
     return grid[0] <= occupancy.resident_programs(build.n_regs, build.metadata.shared, build.metadata.num_warps,

@@ -73,6 +73,8 @@ def build_mhc(form: str, T: int, config: mega_mhc.LaunchConfig | None = None) ->
     claimed, as the launcher decides on the GPU (`mega_mhc._fits_at_once`)."""
     spec = mhc_spec(form)
     config = config or mega_mhc.choose_config(spec, T, device="cuda")
+    if mega_mhc._plan(spec, config, T)["n_jobs"] > mega_mhc.CO_RESIDENT_CANDIDATE_PER_SM * H200_SMS:
+        config = dataclasses.replace(config, co_resident=False)
     build = offline.build_kernel(mega_mhc, mega_mhc.mega_mhc, *mhc_inputs(spec, T), spec, config=config)
     if build.constexprs.get("CO_RESIDENT") and build.grid[0] > build.programs_per_sm() * H200_SMS:
         build = offline.build_kernel(mega_mhc, mega_mhc.mega_mhc, *mhc_inputs(spec, T), spec,

@@ -8,6 +8,7 @@ relative L2 error <= 1e-5 in fp32 and <= 1e-2 in bf16, coefficients <= 1e-5.
 """
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -194,6 +195,32 @@ def test_claimed_jobs_equal_co_resident_jobs(form):
     for got, want in zip(mega_mhc(*args, spec, config=cfg), claimed):
         assert torch.equal(got, want)
     assert not mm._states["cpu"].sync.any()
+
+
+def test_a_cuda_launch_is_co_resident_only_when_its_build_fits_the_device(monkeypatch):
+    # _fits_at_once compiles the co-resident build (Triton's warmup) and asks its occupancy, unless
+    # the grid has more than CO_RESIDENT_CANDIDATE_PER_SM programs an SM: then it does not compile
+    props = SimpleNamespace(major=9, minor=0, multi_processor_count=132, warp_size=32,
+                            shared_memory_per_multiprocessor=228 * 1024, max_threads_per_multi_processor=2048)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    built = []
+
+    class Kernel:  # stands in for the jitted kernel: warmup returns a build of these resources
+        def __init__(self, registers, shared):
+            self.build = SimpleNamespace(n_regs=registers, metadata=SimpleNamespace(shared=shared, num_warps=4),
+                                         _init_handles=lambda: None)
+
+        def warmup(self, *args, grid, **options):
+            built.append(grid)
+            return self.build
+
+    cuda = torch.device("cuda")
+    two_a_sm, one_a_sm = Kernel(239, 88064), Kernel(128, 200 * 1024)
+    assert mm._fits_at_once(two_a_sm, (264,), (), {}, cuda) and not mm._fits_at_once(one_a_sm, (133,), (), {}, cuda)
+    assert mm._fits_at_once(one_a_sm, (132,), (), {}, cuda)
+    assert built == [(264,), (133,), (132,)]
+    assert mm.CO_RESIDENT_CANDIDATE_PER_SM == 2 and not mm._fits_at_once(two_a_sm, (265,), (), {}, cuda)
+    assert len(built) == 3  # (265,) was refused without a build
 
 
 def test_split_launches_leave_the_persistent_state_zero():

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_co_resident_only_where_the_grid_fits(monkeypatch):
     # V4.1's widths: at T=64 the tuned grid (128 programs) fits on an H200 at once and launches
-    # cooperatively with job = program id; at T=4096 (~1280 programs) it cannot, and the jobs are
-    # claimed. Both equal the reference, and the claimed path equals the co-resident one at T=64.
+    # cooperatively with job = program id; at T=4096 (768 programs) it does not, and the jobs are
+    # claimed. Both equal the reference, and so does the T=64 launch with its jobs claimed.
     spec = make_spec("delayed", "bfloat16", dim=5120)
     decided = []
     fits = mm._fits_at_once
