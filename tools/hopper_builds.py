@@ -68,17 +68,25 @@ def mhc_inputs(spec: mega_mhc.MhcSpec, T: int) -> tuple:
 
 def build_mhc(form: str, T: int, config: mega_mhc.LaunchConfig | None = None) -> offline.Build:
     """The seam kernel of `form` as the H200 would launch it for T tokens (y in bf16: the model's),
-    or with `config` instead of the tuned launch configuration. A co-resident launch (epilogue jobs,
-    job = program id) where the H200 holds the whole grid at once, else the build whose jobs are
-    claimed, as the launcher decides on the GPU (`mega_mhc._fits_at_once`)."""
+    or with `config` instead of the tuned launch configuration."""
     spec = mhc_spec(form)
-    config = config or mega_mhc.choose_config(spec, T, device="cuda")
-    if mega_mhc._plan(spec, config, T)["n_jobs"] > mega_mhc.CO_RESIDENT_CANDIDATE_PER_SM * H200_SMS:
-        config = dataclasses.replace(config, co_resident=False)
-    build = offline.build_kernel(mega_mhc, mega_mhc.mega_mhc, *mhc_inputs(spec, T), spec, config=config)
+    return h200_build(mega_mhc, mega_mhc.mega_mhc, *mhc_inputs(spec, T), spec,
+                      config=config or mega_mhc.choose_config(spec, T, device="cuda"))
+
+
+def h200_build(module, launcher, *args, config, **kwargs) -> offline.Build:
+    """`offline.build_kernel` of a launch as the H200 runs it. For Mega-mHC that is the co-resident
+    build only where its launcher would pick it there (`mega_mhc._fits_at_once`: at most
+    CO_RESIDENT_CANDIDATE_PER_SM programs an SM, and no more than the build's occupancy holds),
+    else the build whose jobs are claimed."""
+    if module is mega_mhc and getattr(config, "co_resident", False):
+        spec = next(a for a in args if isinstance(a, mega_mhc.MhcSpec))
+        if mega_mhc._plan(spec, config, args[0].shape[0])["n_jobs"] > mega_mhc.CO_RESIDENT_CANDIDATE_PER_SM * H200_SMS:
+            config = dataclasses.replace(config, co_resident=False)
+    build = offline.build_kernel(module, launcher, *args, config=config, **kwargs)
     if build.constexprs.get("CO_RESIDENT") and build.grid[0] > build.programs_per_sm() * H200_SMS:
-        build = offline.build_kernel(mega_mhc, mega_mhc.mega_mhc, *mhc_inputs(spec, T), spec,
-                                     config=dataclasses.replace(config, co_resident=False))
+        build = offline.build_kernel(module, launcher, *args, config=dataclasses.replace(config, co_resident=False),
+                                     **kwargs)
     return build
 
 

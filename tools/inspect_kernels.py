@@ -80,9 +80,7 @@ import torch
 from rich.syntax import Syntax
 from rich.table import Table
 
-from lowering import offline
-
-from . import common
+from . import common, hopper_builds
 from .common import ToolError, display_path, step
 from .output import console, environment, tables_to_stderr, write_json
 
@@ -245,7 +243,7 @@ def _hopper_build(op: str, launcher, args: tuple, kwargs: dict) -> dict:
     spec = next(a for a in (*args, *kwargs.values()) if dataclasses.is_dataclass(a) and hasattr(a, "key"))
     config = module.choose_config(spec, args[0].shape[0], device="cuda")
     try:
-        build = offline.build_kernel(module, launcher, *args, **{**kwargs, "config": config})
+        build = hopper_builds.h200_build(module, launcher, *args, **{**kwargs, "config": config})
     except Exception as e:  # e.g. a Triton without its bundled ptxas: say so; the rest of inspect stands
         return {"note": f"not available: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     return {"target": build.target, "registers": build.registers, "stack_bytes": build.stack_bytes,
