@@ -138,8 +138,8 @@ rescale jobs ending before it (two [16, 512] blocks pipelined, then the end tick
 (stop 14) the stage-A jobs end at 121-128 us, the merges at 126-133 and the rescale jobs at
 136-144 (the parked collapse is re-read, much of it from HBM). Within stage A (tools/bench_mhc.py
 --leave-out, which times the launch with each of LEAVE_OUT_PARTS compiled out; measured before the
-paired conversions and sub-tiles): the projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at
-T=512, 24 of 145 at T=4096), then fn's loads.
+paired conversions and sub-tiles): the projection dots cost the most at every T (3.1 of 6.1 us at
+T=64, 9.4 of 21.8 at T=512, 24 of 145 at T=4096), then fn's loads.
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
 launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
 """
@@ -1814,8 +1814,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     if cfg.co_resident and plan["r_splits"] > 0:
         # the interpreter runs programs one at a time in program-id order, the order jobs are
         # claimed in, so there job = program id holds as it is
-        co_resident = dict(options, CO_RESIDENT=True) if interpret else \
-            dict(options, CO_RESIDENT=True, launch_cooperative_grid=True)
+        co_resident = dict(options, CO_RESIDENT=True, **({} if interpret else {"launch_cooperative_grid": True}))
         if interpret or _fits_at_once(kernel, grid, args, co_resident, device):
             options = co_resident
     kernel[grid](*args, **options)
@@ -1829,13 +1828,18 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
 CO_RESIDENT_CANDIDATE_PER_SM = 2
 
 
+def co_resident_candidate(n_jobs: int, sms: int) -> bool:
+    """Whether a grid of n_jobs programs on `sms` SMs is worth compiling co-resident to learn its
+    occupancy (CO_RESIDENT_CANDIDATE_PER_SM); tools.hopper_builds mirrors the launcher with it."""
+    return n_jobs <= CO_RESIDENT_CANDIDATE_PER_SM * sms
+
+
 def _fits_at_once(kernel, grid, args, options, device) -> bool:
     """Whether `device` holds every program of this launch at once: the occupancy of the kernel
     these options compile (its registers and shared memory; Triton returns the build a launch
-    would use without launching it). Grids of more than CO_RESIDENT_CANDIDATE_PER_SM programs a
-    SM are not compiled to find out."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if grid[0] > CO_RESIDENT_CANDIDATE_PER_SM * sms:
+    would use without launching it, the same specialisation of these arguments). Grids past
+    co_resident_candidate are not compiled to find out."""
+    if not co_resident_candidate(grid[0], torch.cuda.get_device_properties(device).multi_processor_count):
         return False
     build = kernel.warmup(*args, grid=grid, **options)
     build._init_handles()  # loads the binary, which is what reports its registers
