@@ -599,7 +599,12 @@ $GATE_LINES
         tl.debug_barrier()  # every thread's reads of the row come first
         cols = tl.arange(0, SLOT)[None, :]
         kept = CSQ_COL if KEEP_CSQ else SLOT  # (no column is SLOT)
-        _clear_copies(sums[:, None] + cols * TILE_T, row_ok[:, None] & (cols != kept), TILE_T, ACC_COPIES)
+        # the whole block, padding tokens too (zero already: stage A masks them): a mask that is
+        # constant along the tokens leaves the stores vectorised along them, as the merge's loads
+        # are. Masked per token they were scalar stores, one 64-byte run per lane, issued by
+        # every warp before Sinkhorn: each accumulator copy added ~0.17 us to the T=64 merge.
+        _clear_copies(sums[:, None] + cols * TILE_T, tl.broadcast_to(cols != kept, [TILE_T, SLOT]), TILE_T,
+                      ACC_COPIES)
     if PUBLISH:
         tl.debug_barrier()
         tl.atomic_xchg(ready_ptr, 1, sem="release")
@@ -1021,7 +1026,7 @@ def _project(acc, xs, w, INTERPRETED: tl.constexpr):
 
 _GENERATOR_FINGERPRINT = hashlib.sha1(
     (_TEMPLATE.template + _CHUNK_BODY.template + _SUB_BODY.template + _PROJECT_BF16 + _PROJECT_FP32
-     + "gen-v4").encode()).hexdigest()
+     + "gen-v5").encode()).hexdigest()
 
 
 def _fmt_float(x: float) -> str:
@@ -1066,16 +1071,21 @@ def _gate_lines(spec: MhcSpec) -> list[str]:
            "# compiler cannot tell the two do not alias), so loads interleaved with the stores below",
            "# made this merge a chain of L2 round trips (~4.5 us of a 10 us launch on the H200)",
            "if ACC_COPIES > 1:",
-           "    # the tile's block, one [TILE_T, SLOT] load a copy, summed, then split into its columns in",
-           "    # registers (tl.split halves the last dimension: even and odd columns). Per-column [TILE_T]",
-           "    # loads are issued by every warp of the program alike (each thread holds every token's",
-           "    # value): 4x the loads, and T=64 measured 9.74 against 9.56 us with them (stop15_",
-           "    # experiments.json). With one copy they stay: at T=1 most of the block is padding tokens",
-           "    # that the masked column loads skip (5.84 against 5.94 us).",
-           "    blk_offs = sums[:, None] + tl.arange(0, SLOT)[None, :] * TILE_T",
-           "    blk = tl.load(blk_offs)",
-           "    for k in tl.static_range(1, ACC_COPIES):",
-           "        blk += tl.load(_in_copy(blk_offs, k, TILE_T))"]
+           "    # the gates' biases before the block: loaded after it, they were issued only after the",
+           "    # block's transpose (its shared-memory barrier), a second round trip (T=64 8.98 against",
+           "    # 9.21 us; at T=1, one copy, this order measured ~0.15 us slower: there they stay last)"]
+    biases = [f"b_{c} = tl.load(base_ptr + {c})" for c in range(width)]
+    out += ["    " + line for line in biases]
+    out += ["    # the tile's block, one [TILE_T, SLOT] load a copy, summed, then split into its columns in",
+            "    # registers (tl.split halves the last dimension: even and odd columns). Per-column [TILE_T]",
+            "    # loads are issued by every warp of the program alike (each thread holds every token's",
+            "    # value): 4x the loads, and T=64 measured 9.74 against 9.56 us with them (stop15_",
+            "    # experiments.json). With one copy they stay: at T=1 most of the block is padding tokens",
+            "    # that the masked column loads skip (5.84 against 5.94 us).",
+            "    blk_offs = sums[:, None] + tl.arange(0, SLOT)[None, :] * TILE_T",
+            "    blk = tl.load(blk_offs)",
+            "    for k in tl.static_range(1, ACC_COPIES):",
+            "        blk += tl.load(_in_copy(blk_offs, k, TILE_T))"]
     # blk_<b0 b1 ...>: the columns whose low bits are b0, b1, ... (the last level is [TILE_T]);
     # halves no column 0..WIDTH lies in are not split
     paths = {c: "".join(str((c >> b) & 1) for b in range(bits)) for c in range(width + 1)}
@@ -1092,9 +1102,9 @@ def _gate_lines(spec: MhcSpec) -> list[str]:
     out += [f"    m_{c} = blk_{path}" for c, path in paths.items()]
     out.append("else:")
     out += [f"    m_{c} = _column_sum(sums + {c} * TILE_T, row_ok, TILE_T, ACC_COPIES)" for c in range(width + 1)]
+    out += ["    " + line for line in biases]
     out.append("# r scales the projection instead of the input: one scalar per token, over all n*D values")
     out.append(f"r = tl.rsqrt(m_{width} / ND + STAT_EPS)  # (column {width}: sum X'^2)")
-    out += [f"b_{c} = tl.load(base_ptr + {c})" for c in range(width)]
     out.append("# pre' = sigmoid(m * r * scale0 + base) + eps")
     out += [f"tl.store(pre_ptr + rows64 * N + {k}, _sigmoid(m_{k} * r * s_pre + b_{k}, INTERPRETED) + HC_EPS, "
             "mask=row_ok)" for k in range(spec.n)]
