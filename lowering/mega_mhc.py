@@ -122,24 +122,25 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json, stop 14's code): CUDA-graph replay 5.9 / 9.7 / 24.9 / 148 us
-at T = 1 / 64 / 512 / 4096 against 61 / 94 / 298 / 1769 us for the same chain under torch.compile
-(instances differ: the stop-11 kernel measured 10.4 us at T=64 on one, 12.0 on another); this
-code against that one in one process (results/bench_mhc_runs/stop15_experiments.json): 5.61 /
-9.07 / 24.56 / 148.4 against 6.04 / 9.81 / 24.62 / 147.5. Where the time goes (tools/bench_mhc.py
---trace: %globaltimer per program, after the first start; results/bench_mhc_runs/stop15_check.log):
-at T=1 (co-resident, no claim) stage A done 1.5-2.1 us, arrived 2.3-2.8 (the release fence waits
-for the partial-sum atomics), rescale done 3.4-3.9, coefficients + Sinkhorn done 4.7 (the last
-program); at T=64 (co-resident) stage A takes 4.5 us (median, 5.1 max; three [16, 64] chunks: one
-warp's instruction latency, one program per SM: a stage-A job that shared an SM took 7.2-7.7), the
-arrival ~0.9 us more (with the partial sums in 4 accumulator copies; 1.9 with one), then the merge
-~2.6 us after the last arrival (its block loads, gates and softmax, Sinkhorn's rounds ~1 us), the
-rescale jobs ending before it (two [16, 512] blocks pipelined, then the end ticket); at T=4096
-(stop 14) the stage-A jobs end at 121-128 us, the merges at 126-133 and the rescale jobs at
-136-144 (the parked collapse is re-read, much of it from HBM). Within stage A (tools/bench_mhc.py
---leave-out, which times the launch with each of LEAVE_OUT_PARTS compiled out; measured before the
-paired conversions and sub-tiles): the projection dots cost the most at every T (3.1 of 6.1 us at
-T=64, 9.4 of 21.8 at T=512, 24 of 145 at T=4096), then fn's loads.
+Measured (H200, results/bench_mhc.json, stop 16's code): CUDA-graph replay 5.8 / 8.9 / 24.8 / 147
+us at T = 1 / 64 / 512 / 4096 against 61 / 95 / 301 / 1768 us for the same chain under
+torch.compile (instances differ: the stop-11 kernel measured 10.4 us at T=64 on one, 12.0 on
+another). Where the time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the
+first start; results/bench_mhc.log): at T=1 (co-resident, no claim) stage A done 1.5-2.1 us,
+arrived 2.4-2.9 (the release fence waits for the partial-sum atomics), rescale done 3.5-4.2,
+coefficients + Sinkhorn done 4.7 (the last program); at T=64 (co-resident) stage A takes 4.5 us
+(median, 4.9 max; three [16, 64] chunks: one warp's instruction latency, one program per SM: a
+stage-A job that shared an SM took 7.2-7.7), the arrival ~0.9 us more (with the partial sums in
+4 accumulator copies; 1.9 with one), then the merge 2.0 us after the last arrival (one round trip
+for its block and bias loads, gates and softmax, Sinkhorn's rounds ~1 us), the rescale jobs
+ending before it (two [16, 512] blocks pipelined, then the end ticket); the launch itself ~1 us
+(an empty kernel of 128 programs: 0.59 us in graph replay, 1.16 launched cooperatively,
+results/bench_mhc_runs/stop16_experiments.json); at T=4096 the stage-A jobs end at 122-128 us,
+the merges at 127-132 and the rescale jobs at 137-144 (the parked collapse is re-read, much of it
+from HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the launch with each of
+LEAVE_OUT_PARTS compiled out; measured before the paired conversions and sub-tiles): the
+projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at T=512, 24 of 145
+at T=4096), then fn's loads.
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
 launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
 """
