@@ -84,7 +84,7 @@ Variants (one kernel, constexpr switches; `choose_config` picks one per T):
 
 Forward progress in the split variant with epilogue jobs: jobs are numbered stage-A jobs first,
 then fresh-collapse jobs, then rescale jobs, and a job only ever waits on jobs of earlier stages.
-Two ways to number them, one argument each:
+Three ways to number them, one argument each:
 * co-resident (`LaunchConfig.co_resident`, where the device holds the whole grid at once: the
   compiled kernel's occupancy, `_fits_at_once`): the grid is launched cooperatively, which CUDA
   runs only with every program resident at once (it refuses a grid that cannot be, with an error,
@@ -95,10 +95,19 @@ Two ways to number them, one argument each:
   waits only on earlier ones: no deadlock whatever the dispatch order or occupancy (the argument
   of decoupled look-back scans; lowering/mega_gate.py uses it too). The claims of a launch
   serialise on the counter (the last one at T=64 came 0.45 us after the first start).
+* handoff (`LaunchConfig.handoff`; carried pre, where only rescale jobs wait): job = program id,
+  with neither. Stage-A jobs never wait. A rescale job waits at most MAX_SPINS for its tile's
+  arrivals, then adds its part's bit to the tile's arrival word: one atomic, whose old value also
+  says whether the tile's last arrival has come meanwhile (then the job does its blocks itself).
+  The last arrival's ticket, the same word, carries every bit added before it, and that program
+  does those parts after its merge. So no wait is unbounded and every part is done exactly once,
+  whatever the dispatch order and however few programs are resident; the cost of an unlucky
+  order is time (the handed parts run on one program), never a deadlock.
 The interpreter runs programs one at a time in program-id order, which is the claim order, so
-there job = program id holds without a cooperative launch. A wait is bounded (MAX_SPINS) only
-against a corrupted sync state: it then ends in NaN output, never a hang or a plausible wrong
-answer.
+there job = program id holds without a cooperative launch. Otherwise a wait is bounded
+(MAX_SPINS) only against a corrupted sync state: it then ends in NaN output, never a hang or a
+plausible wrong answer. With handoff a bounded wait is part of the protocol, so there a corrupted
+state (no last arrival ever) can leave a handed part's blocks unnormalised.
 
 Numerics: every statistic is fp32 over the rounded values, as in the reference. Projection: with
 bf16 streams X' is exactly bf16, so fn is split into two bf16 pieces (hi + lo: 16 of fp32's 24
@@ -168,6 +177,11 @@ KERNEL_NAME = "mega_mhc_kernel"
 SPLIT_FN_KERNEL = "mega_mhc_split_fn"  # bf16 streams: fn into its bf16 pieces, for presplit_fn launches
 SPLIT_FN_BLOCK = 1024
 SYNC_PER_TILE = 4  # arrive A, ready A, arrive C, ready C
+# Sync words count in their low HANDOFF_SHIFT bits (so a tile has fewer stage-A jobs than 2 **
+# HANDOFF_SHIFT); with LaunchConfig.handoff a tile's ARRIVE_A word also holds one bit per rescale
+# part above the count (bits up to 30 of the int32: MAX_HANDOFF_PARTS).
+HANDOFF_SHIFT = 16
+MAX_HANDOFF_PARTS = 31 - HANDOFF_SHIFT
 # Stage A may sweep a token tile as sub-tiles (LaunchConfig.sub_tiles); the generated code names
 # sub-tile s's values with SUB_SUFFIX[s] and has code for at most MAX_SUB_TILES of them.
 SUB_SUFFIX = ("", "_s1")
@@ -308,10 +322,12 @@ $CONSTANTS
 JOB_COUNTER = tl.constexpr(0)         # next job number (epilogue-job mode)
 DONE_COUNTER = tl.constexpr(1)        # finished jobs (epilogue-job mode)
 TILE_SYNC = tl.constexpr(2)           # then 4 per token tile:
-ARRIVE_A = tl.constexpr(0)            #   stage-A jobs arrived
+ARRIVE_A = tl.constexpr(0)            #   stage-A jobs arrived (low bits; HANDOFF: high bits below)
 READY_A = tl.constexpr(1)             #   (fresh) tile published: pre' stored
 ARRIVE_C = tl.constexpr(2)            #   fresh-collapse jobs arrived
 READY_C = tl.constexpr(3)             #   (fresh) 1/rms published
+COUNT_MASK = tl.constexpr($COUNT_MASK)  # a sync word's count; HANDOFF: in ARRIVE_A above the count,
+HANDOFF_SHIFT = tl.constexpr($HANDOFF_SHIFT)  # bit HANDOFF_SHIFT + p: the tile's rescale part p handed off
 
 # LEAVE_OUT bits (timing diagnostic only: see LEAVE_OUT_PARTS in megafuse.lowering.mega_mhc)
 $LEAVE_CONSTANTS
@@ -724,10 +740,10 @@ def _wait(counter_ptr, target, MAX_SPINS: tl.constexpr):
     pattern; on sm_90 the acquire also invalidates the SM's L1, CCTL.IVALL). .cg loads, which
     sm_90 issues as strong GPU-scope loads (LDG.E.STRONG.GPU), measured slower on the H200
     (results/bench_mhc_runs/stop14_experiments.json). _arrive's acquire serves its merge alike."""
-    value = tl.atomic_add(counter_ptr, 0, sem="acquire")
+    value = tl.atomic_add(counter_ptr, 0, sem="acquire") & COUNT_MASK
     spins = 0
     while (value < target) & (spins < MAX_SPINS):
-        value = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        value = tl.atomic_add(counter_ptr, 0, sem="acquire") & COUNT_MASK
         spins += 1
     return value < target
 
@@ -776,7 +792,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                     SPLIT_CHUNKS: tl.constexpr, N_SPLITS: tl.constexpr, R_BLOCK: tl.constexpr,
                     R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
                     RESCALE_STAGES: tl.constexpr, ACC_COPIES: tl.constexpr, PRESPLIT: tl.constexpr,
-                    CO_RESIDENT: tl.constexpr, INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr,
+                    CO_RESIDENT: tl.constexpr, HANDOFF: tl.constexpr, JOB_ROTATE: tl.constexpr,
+                    INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr,
                     TRACE: tl.constexpr, LEAVE_OUT: tl.constexpr):
     """Grid (1-D); D is N_CHUNKS chunks of BLOCK_D, a stage-A job takes SPLIT_CHUNKS of them.
 
@@ -785,7 +802,9 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
     epilogue jobs (N_SPLITS > 1, R_SPLITS > 0)   n_tiles * N_SPLITS stage-A jobs, (fresh)
         n_tiles * N_SPLITS collapse jobs, n_tiles * R_SPLITS rescale jobs of R_PER_JOB blocks of
         R_BLOCK columns, claimed in start order, or with CO_RESIDENT (every program resident at once:
-        a cooperative launch) job = program id (see "forward progress" in megafuse.lowering.mega_mhc)
+        a cooperative launch) or HANDOFF (carried pre: a rescale job that waits MAX_SPINS hands its
+        blocks to the tile's last arrival) job = (program id + JOB_ROTATE) % jobs (see "forward
+        progress" in megafuse.lowering.mega_mhc; JOB_ROTATE, HANDOFF only, tests that order)
 
     fns_ptr: with PRESPLIT, fn already split into bf16 pieces by mega_mhc_split_fn (else unused).
     acc_ptr: [n_tiles, ACC_COPIES, SLOT, TILE_T] partial sums (_acc_block; split: persistent, all
@@ -832,17 +851,19 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
     else:
         # split with epilogue jobs (see "forward progress"): every program resident at once, or
         # jobs claimed in start order
-        if CO_RESIDENT:
+        n_a = n_tiles * N_SPLITS
+        n_c = n_a if FRESH else 0
+        n_jobs = n_a + n_c + n_tiles * R_SPLITS
+        if HANDOFF:
+            job = (tl.program_id(0) + JOB_ROTATE) % n_jobs
+        elif CO_RESIDENT:
             job = tl.program_id(0)
         else:
             job = tl.atomic_add(sync_ptr + JOB_COUNTER, 1, sem="relaxed")
         _stamp(trace_ptr, EV_CLAIMED, TRACE)
-        n_a = n_tiles * N_SPLITS
-        n_c = n_a if FRESH else 0
-        n_jobs = n_a + n_c + n_tiles * R_SPLITS
         inv_ws = ws_ptr
         role, tile, part = _epilogue_job(job, n_a, n_c, n_jobs, N_SPLITS, R_SPLITS)
-        finisher = False  # a tile's last stage-A arrival takes no end-of-launch ticket (below)
+        done = tl.full([], 1, tl.int32)  # this program's part of the end-of-launch count (below)
         if role == ROLE_STAGE_A:
             _note_job(trace_ptr, job, ROLE_STAGE_A, TRACE)
             sync = sync_ptr + TILE_SYNC + tile * 4
@@ -854,12 +875,24 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             _stamp(trace_ptr, EV_WORK, TRACE)
             ticket = _arrive(sync + ARRIVE_A)
             _stamp(trace_ptr, EV_ARRIVED, TRACE)
-            if ticket == N_SPLITS - 1:
+            if (ticket & COUNT_MASK) == N_SPLITS - 1:
                 # carried pre: nothing waits for this merge (the rescale jobs wait for the tile's
                 # arrivals and read sum(c^2) themselves); fresh: the collapse jobs wait for pre'
                 _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, sync + READY_A,
                              trace_ptr, T, tile, TILE_T, ACC_COPIES, True, not FRESH, FRESH, TRACE, INTERPRETED)
-                finisher = True
+                done = tl.full([], 0, tl.int32)
+                if HANDOFF:
+                    # the rescale parts whose jobs stopped waiting before this arrival (their bits
+                    # came with the ticket): this program does them, and counts them as done
+                    handed = ticket >> HANDOFF_SHIFT
+                    if handed != 0:
+                        inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES))
+                        for p in range(R_SPLITS):
+                            if ((handed >> p) & 1) != 0:
+                                _rescale(u_ptr, w_ptr, T, tile, inv_c, p * R_PER_JOB,
+                                         tl.minimum(p * R_PER_JOB + R_PER_JOB, (D + R_BLOCK - 1) // R_BLOCK),
+                                         TILE_T, R_BLOCK, RESCALE_STAGES, INTERPRETED)
+                                done += 1
                 _stamp(trace_ptr, EV_FINISHED, TRACE)
         elif role == ROLE_COLLAPSE:
             # fresh: collapse this slice with pre' (stored by the tile's merge); sum(c^2) by atomics
@@ -896,26 +929,37 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                 # every stage-A job of the tile has arrived (each a release): sum(c^2) is complete,
                 # so the rescale need not wait for the tile's merge (coefficients, Sinkhorn)
                 failed = _wait(sync + ARRIVE_A, N_SPLITS, MAX_SPINS)
+                if HANDOFF:
+                    if failed:
+                        # hand this part to the tile's last arrival, unless that has come meanwhile
+                        # (its ticket, the same atomic word, then carried no bit: do it here)
+                        bit = tl.full([], 1, tl.int32) << (HANDOFF_SHIFT + part)
+                        failed = (tl.atomic_add(sync + ARRIVE_A, bit, sem="acq_rel") & COUNT_MASK) < N_SPLITS
+                        done = tl.where(failed, 0, 1)
                 _stamp(trace_ptr, EV_READY, TRACE)
                 inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES))
-            inv_c = tl.where(failed, float("nan"), inv_c)
-            _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin,
-                     tl.minimum(b_begin + R_PER_JOB, (D + R_BLOCK - 1) // R_BLOCK), TILE_T, R_BLOCK,
-                     RESCALE_STAGES, INTERPRETED)
+            if not HANDOFF:
+                inv_c = tl.where(failed, float("nan"), inv_c)
+            if done != 0:  # (HANDOFF: 0 where the part was handed off)
+                _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin,
+                         tl.minimum(b_begin + R_PER_JOB, (D + R_BLOCK - 1) // R_BLOCK), TILE_T, R_BLOCK,
+                         RESCALE_STAGES, INTERPRETED)
             _stamp(trace_ptr, EV_WORK, TRACE)
         # The last job to finish restores the all-zero state: every job number has been claimed
         # and every wait of this launch is over. Relaxed: nothing is published through this
         # counter (every thread's waits are over at the barrier, and the next launch is
         # stream-ordered after this one), so it skips the release fence, ~0.3 us at the launch's end.
-        # The tiles' last stage-A arrivals take no ticket: once a tile's arrivals are in, its merge
+        # The tiles' last stage-A arrivals count nothing: once a tile's arrivals are in, its merge
         # reads and writes nothing another job or this reset touches (its accumulator row apart
         # from sum(c^2), which it clears itself; its own outputs), and the reset needs every
         # other job of the tile done (the rescale jobs, after the arrivals; fresh: the collapse
         # jobs, after the merge's publish): so the merge's Sinkhorn does not end in an atomic's
         # round trip. Carried pre: the rescale jobs read sum(c^2), so this reset zeroes it.
-        if not finisher:
+        # HANDOFF: a rescale job handed to the last arrival is counted by that program, after it
+        # (it reads sum(c^2) too), not by the job's own.
+        if done != 0:
             tl.debug_barrier()
-            if tl.atomic_add(sync_ptr + DONE_COUNTER, 1, sem="relaxed") == n_jobs - n_tiles - 1:
+            if tl.atomic_add(sync_ptr + DONE_COUNTER, done, sem="relaxed") + done == n_jobs - n_tiles:
                 for i in range(0, n_tiles * 4, 1024):
                     offs = i + tl.arange(0, 1024)
                     tl.store(sync_ptr + TILE_SYNC + offs, tl.full([1024], 0, dtype=tl.int32),
@@ -1335,6 +1379,8 @@ def generate_source(spec: MhcSpec) -> str:
     block("GATE_LINES", 8, _gate_lines(spec))
     block("COMB_LINES", 8, _comb_lines(spec))
     lines["TRACE_EVENTS"] = len(TRACE_EVENTS)
+    lines["COUNT_MASK"] = hex((1 << HANDOFF_SHIFT) - 1)
+    lines["HANDOFF_SHIFT"] = HANDOFF_SHIFT
     lines["LEAVE_CONSTANTS"] = "\n".join(f"LEAVE_{part.upper()} = tl.constexpr({bit})"
                                          for part, bit in LEAVE_OUT_PARTS.items())
     lines["TRACE_CONSTANTS"] = "\n".join(
@@ -1421,6 +1467,14 @@ class LaunchConfig:
                  id, instead of every program claiming its job with an atomic on one counter
                  first (the claims of a launch serialise there: the last came 0.45 us after the
                  first start at T=64); False: always claim. See "forward progress"
+    handoff      split variant with epilogue jobs and a carried pre (at most MAX_HANDOFF_PARTS
+                 rescale jobs a tile), any device: job = program id, with neither a claim nor a
+                 cooperative launch (co_resident is not consulted), and a rescale job that has
+                 waited MAX_SPINS for its tile hands its blocks to the tile's last stage-A arrival,
+                 which does them after its merge: correct whatever the dispatch order and however
+                 few programs are resident. Not yet measured on the H200 (no tuned row uses it): a
+                 cooperative launch of an empty 128-program kernel costs 1.16 us in graph replay
+                 against 0.59 for a plain one (stop16_experiments.json)
     """
     tile_t: int
     block_d: int
@@ -1434,6 +1488,7 @@ class LaunchConfig:
     sub_tiles: int = 1
     acc_copies: int = 1
     co_resident: bool = True
+    handoff: bool = False
 
     def variant(self, dim: int) -> str:
         return "tiled" if self.split_cols >= dim else "split"
@@ -1732,16 +1787,23 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
     n_jobs = n_tiles * n_splits
     if r_splits:
         n_jobs = n_jobs * (2 if spec.pre == "fresh" else 1) + n_tiles * r_splits
+    if n_splits >> HANDOFF_SHIFT:
+        raise ValueError(f"mega_mhc: {n_splits} stage-A jobs a token tile (D={spec.dim} in slices of "
+                         f"{split_chunks * cfg.block_d} columns) exceed the sync words' count of "
+                         f"{(1 << HANDOFF_SHIFT) - 1}: use wider slices (split_cols)")
     acc_copies = min(cfg.acc_copies, n_splits)
+    # handoff needs the carried pre (a fresh collapse job waits on the merge: no one to hand to)
+    # and a bit per rescale part in the tile's arrival word; otherwise the co_resident / claim rules
+    handoff = cfg.handoff and 0 < r_splits <= MAX_HANDOFF_PARTS and spec.pre == "carried"
     return dict(n_tiles=n_tiles, n_chunks=n_chunks, split_chunks=split_chunks, n_splits=n_splits,
                 r_block=r_block, r_per_job=r_per_job, r_splits=r_splits, n_jobs=n_jobs, acc_copies=acc_copies,
-                acc_elems=n_tiles * acc_copies * cfg.tile_t * _slot_width(spec.n),
+                acc_elems=n_tiles * acc_copies * cfg.tile_t * _slot_width(spec.n), handoff=handoff,
                 variant="tiled" if n_splits == 1 else "split")
 
 
 def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec, *,
              variant: str | None = None, config: LaunchConfig | None = None, out=None,
-             trace: torch.Tensor | None = None, leave_out: tuple[str, ...] = ()):
+             trace: torch.Tensor | None = None, leave_out: tuple[str, ...] = (), job_rotation: int = 0):
     """(X' or None, u, pre' or None, post' or None, comb' or None) of the seam, in one launch.
 
     streams [T, n, D] (stream dtype), y [T, D] (stream dtype or fp32), post [T, n], comb [T, n, n],
@@ -1753,6 +1815,9 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     [programs, len(TRACE_EVENTS)] tensor (`trace_shape`) that a traced build of the kernel fills
     with per-program event times (see TRACE_EVENTS). `leave_out` (a timing diagnostic, names from
     LEAVE_OUT_PARTS) compiles those parts of stage A out: the outputs are then wrong by design.
+    `job_rotation` (a test of LaunchConfig.handoff, which it needs) numbers program p's job
+    (p + job_rotation) % jobs: with the tiles' rescale jobs first, the interpreter (programs one at
+    a time, in order) runs each before its tile's stage A, so that every one hands its blocks off.
     Inputs are never modified.
     """
     validate(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)
@@ -1783,6 +1848,11 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     plan = _plan(spec, cfg, T)
     if trace is not None:
         _check_trace(trace, plan, device)
+    rotation_ok = job_rotation == 0 or (plan["handoff"] and 0 <= job_rotation < plan["n_jobs"])
+    if not isinstance(job_rotation, int) or not rotation_ok:
+        raise ValueError(f"mega_mhc: job_rotation={job_rotation!r} needs a launch with handoff (a split config "
+                         f"with handoff=True and rescale jobs, carried pre) and a value in 0..{plan['n_jobs'] - 1}; "
+                         f"this one is {cfg} (handoff {plan['handoff']})")
     n_tiles, n_splits, acc_elems = plan["n_tiles"], plan["n_splits"], plan["acc_elems"]
     interpret = device.type != "cuda"
     if n_splits > 1:
@@ -1820,11 +1890,11 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
         R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], PIPELINE_STAGES=cfg.pipeline_stages,
         RESCALE_STAGES=cfg.rescale_stages, ACC_COPIES=plan["acc_copies"], PRESPLIT=cfg.presplit_fn,
-        CO_RESIDENT=False, INTERPRETED=interpret,
+        CO_RESIDENT=False, HANDOFF=plan["handoff"], JOB_ROTATE=job_rotation, INTERPRETED=interpret,
         MAX_SPINS=1 << 10 if interpret else 1 << 22, TRACE=trace is not None, LEAVE_OUT=leave_out_bits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (plan["n_jobs"],)
-    if cfg.co_resident and plan["r_splits"] > 0:
+    if cfg.co_resident and plan["r_splits"] > 0 and not plan["handoff"]:
         # the interpreter runs programs one at a time in program-id order, the order jobs are
         # claimed in, so there job = program id holds as it is
         co_resident = dict(options, CO_RESIDENT=True, **({} if interpret else {"launch_cooperative_grid": True}))

@@ -166,7 +166,9 @@ def correctness_suite(device, dry: bool, log) -> list:
     # gets) at a size whose tuned launch is co-resident
     claimed = LaunchConfig(16, 32, 32, r_splits=3, acc_copies=3) if dry else mm.choose_config(delayed, 64)
     runs += [("delayed/claimed-jobs", delayed, 37 if dry else 64, None,
-              dataclasses.replace(claimed, co_resident=False))]
+              dataclasses.replace(claimed, co_resident=False)),
+             # neither claimed nor cooperative: a rescale job that waits too long hands off its blocks
+             ("delayed/handoff", delayed, 37 if dry else 64, None, dataclasses.replace(claimed, handoff=True))]
     fp32 = dataclasses.replace(delayed, stream_dtype="float32")
     runs += [("delayed fp32", fp32, 37, "split", None)] + ([("delayed fp32", fp32, 3, "tiled", None)] if dry else [])
     odd = dataclasses.replace(delayed, dim=odd_D)
@@ -256,7 +258,9 @@ def run_sweep(T: int, device, log) -> list:
     ref = mm.reference(*args, V41)
     rows = []
     tuned = mm.choose_config(V41, T, device=device)
-    for cfg in [tuned] + [c for c in sweep_configs(T) if c != tuned]:  # (a neighbour may be the tuned row)
+    # the tuned row launched with handoff (neither claimed nor cooperative) as well
+    configs = [tuned] + [c for c in sweep_configs(T) if c != tuned] + [dataclasses.replace(tuned, handoff=True)]
+    for cfg in dict.fromkeys(configs):  # (a neighbour may be the tuned row)
         r = {"config": dataclasses.asdict(cfg), "plan": mm._plan(V41, cfg, T)}
         try:
             t0 = time.time()

@@ -197,6 +197,50 @@ def test_claimed_jobs_equal_co_resident_jobs(form):
     assert not mm._states["cpu"].sync.any()
 
 
+@pytest.mark.parametrize("form", ["delayed", "first_seam", "final_collapse"])
+def test_handoff_jobs_equal_co_resident_jobs_in_every_order(form):
+    # LaunchConfig.handoff: job = program id without a claim or a cooperative launch, and a rescale
+    # job that has waited MAX_SPINS hands its blocks to its tile's last stage-A arrival. In program
+    # order (the interpreter's) every tile has arrived before its rescale jobs start: nothing is
+    # handed, and the bits equal the co-resident launch's. job_rotation puts the rescale jobs first
+    # (all of them, or only the last one): each then finds its tile not arrived, gives its part
+    # away, and the tile's last arrival does it after its merge.
+    spec = make_spec(form, "bfloat16", dim=600)  # two 512-column rescale blocks a tile: two parts
+    T = 37
+    args = make_inputs(spec, T, seed=68)
+    cfg = LaunchConfig(16, 32, 128, r_splits=2, acc_copies=2)
+    plan = mm._plan(spec, dataclasses.replace(cfg, handoff=True), T)
+    n_a = plan["n_tiles"] * plan["n_splits"]
+    assert plan["handoff"] and (plan["n_tiles"], plan["n_splits"], plan["r_splits"]) == (3, 5, 2)
+    assert plan["n_jobs"] == n_a + 2 * 3
+    co_resident = mega_mhc(*args, spec, config=cfg)
+    for rotation in (0, n_a, plan["n_jobs"] - 1):
+        got = mega_mhc(*args, spec, config=dataclasses.replace(cfg, handoff=True), out=poisoned(spec, T),
+                       job_rotation=rotation)
+        assert_matches_reference(spec, args, got)
+        assert not mm._states["cpu"].sync.any() and not mm._states["cpu"].acc.any()
+        for name, a, b in zip(OUTPUTS, got, co_resident):
+            if rotation == 0 or name != "u":
+                assert (a is None and b is None) or torch.equal(a, b), (rotation, name)
+            else:  # the handed parts were rescaled by another program, in the same arithmetic
+                assert torch.equal(a, b), (rotation, name)
+
+
+def test_handoff_applies_to_the_carried_pre_only_and_job_rotation_needs_it():
+    cfg = LaunchConfig(16, 32, 32, r_splits=3, handoff=True)
+    fresh, carried = make_spec("v4_fresh"), make_spec("delayed")
+    assert not mm._plan(fresh, cfg, 37)["handoff"]  # its collapse jobs wait on the merge itself
+    assert mm._plan(carried, cfg, 37)["handoff"]
+    assert not mm._plan(carried, dataclasses.replace(cfg, r_splits=0), 37)["handoff"]  # no rescale jobs
+    run_case(fresh, 37, cfg, seed=69)  # then co-resident / claimed, as without it
+    args = make_inputs(carried, 37, seed=70)
+    with pytest.raises(ValueError, match="job_rotation=1 needs a launch with handoff"):
+        mega_mhc(*args, carried, config=dataclasses.replace(cfg, handoff=False), job_rotation=1)
+    n_jobs = mm._plan(carried, cfg, 37)["n_jobs"]
+    with pytest.raises(ValueError, match=f"a value in 0..{n_jobs - 1}"):
+        mega_mhc(*args, carried, config=cfg, job_rotation=n_jobs)
+
+
 def test_a_cuda_launch_is_co_resident_only_when_its_build_fits_the_device(monkeypatch):
     # _fits_at_once compiles the co-resident build (Triton's warmup) and asks its occupancy, unless
     # the grid has more than CO_RESIDENT_CANDIDATE_PER_SM programs an SM: then it does not compile

@@ -217,6 +217,25 @@ def test_the_t64_merge_is_co_resident_with_approximate_exp_and_sinkhorn_in_fours
     assert [loop.opcodes["MUFU"] for loop in sinkhorn] == [2 * 4 * mega_mhc.SINKHORN_UNROLL]
 
 
+def test_a_handoff_launch_builds_for_sm90_without_claim_or_cooperative_grid():
+    # LaunchConfig.handoff on the tuned T=64 row: job = program id and no co-resident build (the
+    # launcher neither claims nor launches cooperatively); the tile's last arrival holds the handed
+    # parts' rescale loop after its merge, the rescale jobs a bounded wait and the hand-off atomic
+    cfg = dataclasses.replace(mega_mhc.choose_config(hopper_builds.mhc_spec("delayed"), 64, device="cuda"),
+                              handoff=True)
+    build = hopper_builds.build_mhc("delayed", 64, config=cfg)
+    assert build.constexprs["HANDOFF"] and not build.constexprs["CO_RESIDENT"] and build.grid == (128,)
+    assert build.programs_per_sm() >= 1 and build.stack_bytes == 0
+    tuned = hopper_builds.build_mhc("delayed", 64)
+    assert tuned.constexprs["CO_RESIDENT"] and not tuned.constexprs["HANDOFF"]
+    # one more acq_rel add (a rescale job's hand-off, besides every stage-A job's arrival), the same
+    # single relaxed add (the end-of-launch count: no claim in either), and two more loops (the
+    # last arrival's loop over handed parts, holding another copy of the rescale's block loop)
+    atomics = lambda b: (b.ptx.count("atom.global.gpu.acq_rel.add"), b.ptx.count("atom.global.gpu.relaxed.add"))
+    assert atomics(build) == (2, 1) and atomics(tuned) == (1, 1)
+    assert len(build.loops()) == len(tuned.loops()) + 2
+
+
 def test_resident_programs_of_a_device(monkeypatch):
     # a co-resident Mega-mHC launch needs the whole grid on the device at once: programs per SM from
     # the build's registers and shared memory, times the SMs; an architecture whose register and
