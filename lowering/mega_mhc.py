@@ -849,8 +849,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             tl.atomic_xchg(arrive_a, 0, sem="relaxed")  # every arrival of this tile is in
             _stamp(trace_ptr, EV_FINISHED, TRACE)
     else:
-        # split with epilogue jobs (see "forward progress"): every program resident at once, or
-        # jobs claimed in start order
+        # split with epilogue jobs (see "forward progress"): job = program id (handoff, or every
+        # program resident at once), or jobs claimed in start order
         n_a = n_tiles * N_SPLITS
         n_c = n_a if FRESH else 0
         n_jobs = n_a + n_c + n_tiles * R_SPLITS
