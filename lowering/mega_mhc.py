@@ -116,7 +116,9 @@ the coefficients differ by ~1e-7..2e-6 (relative L2, H200), the size of fp32 sum
 fp32 streams the dot runs 3xTF32 (`input_precision="tf32x3"`). Sinkhorn and the sigmoid gates
 multiply by a reciprocal (`rcp.approx` on the GPU: within an ulp of the division), and the merge's
 exp is `ex2.approx.ftz` (subnormal results flush to zero; every one then meets an eps >= 1e-20
-or a 1 +); other divisions are Triton's fp32 `/`.
+or a 1 +); other divisions are Triton's fp32 `/`. With LaunchConfig.sinkhorn_factors the rounds
+update row and column factors of the softmax cells (the same maths, other roundings: within 1e-6
+of the cell rounds on the CPU).
 With D split in more than two slices the fp32 atomics meet in a run-dependent order, so the
 coefficients and u may differ in the last bits between runs (the tiled variant is deterministic).
 The interpreter upcasts bf16 dot operands (numpy has no bf16 matmul) and rounds fp32 -> bf16 to
@@ -588,7 +590,8 @@ def _inv_rms(csq):
 @triton.jit
 def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, ready_ptr, trace_ptr,
                  T, tile, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr, CLEAR: tl.constexpr,
-                 KEEP_CSQ: tl.constexpr, PUBLISH: tl.constexpr, TRACE: tl.constexpr, INTERPRETED: tl.constexpr):
+                 KEEP_CSQ: tl.constexpr, PUBLISH: tl.constexpr, SINKHORN_FACTORS: tl.constexpr,
+                 TRACE: tl.constexpr, INTERPRETED: tl.constexpr):
     """From the tile's full-row sums (its accumulator row): compute and store the coefficients,
     one [TILE_T] vector per coefficient (the generator unrolls n, n and n*n of them; Sinkhorn's
     row and column sums are then plain additions). CLEAR: zero the row again for the next launch,
@@ -596,7 +599,8 @@ def _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, re
     launch's last job zeroes it). PUBLISH (epilogue jobs, fresh pre): as soon as pre' is stored,
     set the tile's ready flag, so that the fresh collapse overlaps Sinkhorn (the merge's longest
     part) instead of following it. Returns 1/rms of the carried collapse [TILE_T] (zeros with
-    KEEP_CSQ: the rescale jobs compute it, and sum(c^2) is not read here)."""
+    KEEP_CSQ: the rescale jobs compute it, and sum(c^2) is not read here). SINKHORN_FACTORS: the
+    rounds update row and column factors of the fixed softmax cells (LaunchConfig.sinkhorn_factors)."""
     rows = tile * TILE_T + tl.arange(0, TILE_T)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
@@ -708,11 +712,11 @@ def _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pr
                    combo_ptr, T, stride_xt, stride_xk, tile, TILE_T: tl.constexpr,
                    BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr, R_BLOCK: tl.constexpr,
                    RESCALE_STAGES: tl.constexpr, ACC_COPIES: tl.constexpr, CLEAR: tl.constexpr,
-                   INTERPRETED: tl.constexpr):
+                   SINKHORN_FACTORS: tl.constexpr, INTERPRETED: tl.constexpr):
     """Everything after stage A for one whole token tile, by one program."""
     tl.debug_barrier()  # this program's accumulator stores before its reloads
     inv_c = _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, acc_ptr,
-                         T, tile, TILE_T, ACC_COPIES, CLEAR, False, False, False, INTERPRETED)
+                         T, tile, TILE_T, ACC_COPIES, CLEAR, False, False, SINKHORN_FACTORS, False, INTERPRETED)
     if FRESH:
         tl.debug_barrier()  # pre' (and this tile's X') before the collapse reads them
         csq = _collapse(x_ptr, xo_ptr, u_ptr, pre_ptr, T, stride_xt, stride_xk, tile, 0, N_CHUNKS,
@@ -793,6 +797,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                     R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
                     RESCALE_STAGES: tl.constexpr, ACC_COPIES: tl.constexpr, PRESPLIT: tl.constexpr,
                     CO_RESIDENT: tl.constexpr, HANDOFF: tl.constexpr, JOB_ROTATE: tl.constexpr,
+                    SINKHORN_FACTORS: tl.constexpr,
                     INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr,
                     TRACE: tl.constexpr, LEAVE_OUT: tl.constexpr):
     """Grid (1-D); D is N_CHUNKS chunks of BLOCK_D, a stage-A job takes SPLIT_CHUNKS of them.
@@ -825,7 +830,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         _stamp(trace_ptr, EV_WORK, TRACE)
         _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                        combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
-                       RESCALE_STAGES, ACC_COPIES, False, INTERPRETED)
+                       RESCALE_STAGES, ACC_COPIES, False, SINKHORN_FACTORS, INTERPRETED)
         _stamp(trace_ptr, EV_FINISHED, TRACE)
     elif R_SPLITS == 0:
         # split, the last arrival finishes the tile: nothing ever waits, so program ids are job ids
@@ -845,7 +850,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         if ticket == N_SPLITS - 1:
             _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                            combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
-                           RESCALE_STAGES, ACC_COPIES, True, INTERPRETED)
+                           RESCALE_STAGES, ACC_COPIES, True, SINKHORN_FACTORS, INTERPRETED)
             tl.atomic_xchg(arrive_a, 0, sem="relaxed")  # every arrival of this tile is in
             _stamp(trace_ptr, EV_FINISHED, TRACE)
     else:
@@ -879,7 +884,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                 # carried pre: nothing waits for this merge (the rescale jobs wait for the tile's
                 # arrivals and read sum(c^2) themselves); fresh: the collapse jobs wait for pre'
                 _finish_tile(acc_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr, combo_ptr, sync + READY_A,
-                             trace_ptr, T, tile, TILE_T, ACC_COPIES, True, not FRESH, FRESH, TRACE, INTERPRETED)
+                             trace_ptr, T, tile, TILE_T, ACC_COPIES, True, not FRESH, FRESH, SINKHORN_FACTORS,
+                             TRACE, INTERPRETED)
                 done = tl.full([], 0, tl.int32)
                 if HANDOFF:
                     # the rescale parts whose jobs stopped waiting before this arrival (their bits
@@ -1186,18 +1192,60 @@ def _comb_lines(spec: MhcSpec) -> list[str]:
         out.append(f"inv = _reciprocal({_tree_sum(row)}, INTERPRETED)")
         for j in ks:
             out.append(f"c_{i}_{j} = c_{i}_{j} * inv + HC_EPS")
-    out += _normalise_lines(n, "col", 0)
-    out.append(f"for _ in range((SINKHORN_ITERS - 1) // {SINKHORN_UNROLL}):")
-    out.append(f"    for _ in tl.static_range({SINKHORN_UNROLL}):")
+    out.append("if SINKHORN_FACTORS:")
+    out += ["    " + line for line in _factor_rounds(n)]
+    out.append("else:")
+    out += _normalise_lines(n, "col", 4)
+    out.append(f"    for _ in range((SINKHORN_ITERS - 1) // {SINKHORN_UNROLL}):")
+    out.append(f"        for _ in tl.static_range({SINKHORN_UNROLL}):")
+    out += _normalise_lines(n, "row", 12)
+    out += _normalise_lines(n, "col", 12)
+    out.append(f"    for _ in tl.static_range((SINKHORN_ITERS - 1) % {SINKHORN_UNROLL}):")
     out += _normalise_lines(n, "row", 8)
     out += _normalise_lines(n, "col", 8)
-    out.append(f"for _ in tl.static_range((SINKHORN_ITERS - 1) % {SINKHORN_UNROLL}):")
-    out += _normalise_lines(n, "row", 4)
-    out += _normalise_lines(n, "col", 4)
     for i in ks:
         for j in ks:
             out.append(f"tl.store(combo_ptr + rows64 * (N * N) + {i * n + j}, c_{i}_{j}, mask=row_ok)")
     return out
+
+
+def _factor_rounds(n: int) -> list[str]:
+    """Sinkhorn from the softmax cells c_i_j on, as row factors a_i and column factors b_j of those
+    cells, kept fixed (K): the cells after any round are K_ij a_i b_j. The reference's row step
+    divides each row by its sum + eps: a_i <- a_i / (a_i (K b)_i + eps), which is 1/a_i <-
+    (K b)_i + eps / a_i, one fused multiply-add on the reciprocal kept alongside (ai_i), then one
+    reciprocal; (K b)_i is one multiply and n - 1 fused multiply-adds. The columns alike with
+    (K^T a)_j. A half-round is n (n + 1) instructions and n reciprocals, against n (2n + 1) and n
+    for the cells; at the end comb = K a b. The first column normalisation starts b (a = 1)."""
+    ks = range(n)
+    out = []
+    for j in ks:
+        out.append(f"bi_{j} = {_tree_sum([f'c_{i}_{j}' for i in ks])} + HC_EPS")
+        out.append(f"b_{j} = _reciprocal(bi_{j}, INTERPRETED)")
+    out += [f"a_{i} = b_0 * 0.0 + 1.0" for i in ks]  # (a = 1 / ai = 1: what SINKHORN_ITERS = 1 ends with)
+    out += [f"ai_{i} = a_{i}" for i in ks]
+    body = []
+    for i in ks:
+        body.append(f"ai_{i} = {_fma_chain([(f'c_{i}_{j}', f'b_{j}') for j in ks])} + HC_EPS * ai_{i}")
+        body.append(f"a_{i} = _reciprocal(ai_{i}, INTERPRETED)")
+    for j in ks:
+        body.append(f"bi_{j} = {_fma_chain([(f'c_{i}_{j}', f'a_{i}') for i in ks])} + HC_EPS * bi_{j}")
+        body.append(f"b_{j} = _reciprocal(bi_{j}, INTERPRETED)")
+    out.append(f"for _ in range((SINKHORN_ITERS - 1) // {SINKHORN_UNROLL}):")
+    out.append(f"    for _ in tl.static_range({SINKHORN_UNROLL}):")
+    out += ["        " + line for line in body]
+    out.append(f"for _ in tl.static_range((SINKHORN_ITERS - 1) % {SINKHORN_UNROLL}):")
+    out += ["    " + line for line in body]
+    out += [f"c_{i}_{j} = c_{i}_{j} * a_{i} * b_{j}" for i in ks for j in ks]
+    return out
+
+
+def _fma_chain(pairs: list[tuple[str, str]]) -> str:
+    """x0 * y0 + x1 * y1 + ... as one multiply and a chain of fused multiply-adds."""
+    expr = f"{pairs[0][0]} * {pairs[0][1]}"
+    for x, y in pairs[1:]:
+        expr = f"({expr}) + {x} * {y}"
+    return expr
 
 
 def _tree_sum(names: list[str]) -> str:
@@ -1475,6 +1523,11 @@ class LaunchConfig:
                  few programs are resident. Not yet measured on the H200 (no tuned row uses it): a
                  cooperative launch of an empty 128-program kernel costs 1.16 us in graph replay
                  against 0.59 for a plain one (stop16_experiments.json)
+    sinkhorn_factors  Sinkhorn's rounds after the first column normalisation keep the softmax
+                 cells K fixed and update row and column factors (_comb_lines): 48 instead of 72
+                 instructions a round on sm_90, where the merge's rounds are bound by instruction
+                 issue (16 more a round measured +0.39 us at T=64). Not yet measured on the H200
+                 (no tuned row uses it); within 1e-7 of the reference on the CPU
     """
     tile_t: int
     block_d: int
@@ -1489,6 +1542,7 @@ class LaunchConfig:
     acc_copies: int = 1
     co_resident: bool = True
     handoff: bool = False
+    sinkhorn_factors: bool = False
 
     def variant(self, dim: int) -> str:
         return "tiled" if self.split_cols >= dim else "split"
@@ -1890,7 +1944,8 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
         R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], PIPELINE_STAGES=cfg.pipeline_stages,
         RESCALE_STAGES=cfg.rescale_stages, ACC_COPIES=plan["acc_copies"], PRESPLIT=cfg.presplit_fn,
-        CO_RESIDENT=False, HANDOFF=plan["handoff"], JOB_ROTATE=job_rotation, INTERPRETED=interpret,
+        CO_RESIDENT=False, HANDOFF=plan["handoff"], JOB_ROTATE=job_rotation,
+        SINKHORN_FACTORS=cfg.sinkhorn_factors, INTERPRETED=interpret,
         MAX_SPINS=1 << 10 if interpret else 1 << 22, TRACE=trace is not None, LEAVE_OUT=leave_out_bits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (plan["n_jobs"],)

@@ -241,6 +241,28 @@ def test_handoff_applies_to_the_carried_pre_only_and_job_rotation_needs_it():
         mega_mhc(*args, carried, config=cfg, job_rotation=n_jobs)
 
 
+@pytest.mark.parametrize("form", ["delayed", "first_seam", "v4_fresh"])  # with coefficients: carried, no post, fresh
+def test_sinkhorn_on_factors_equals_the_reference_and_the_cell_rounds(form):
+    # LaunchConfig.sinkhorn_factors: the rounds update row and column factors of the fixed softmax
+    # cells instead of the cells. Same maths, other roundings: within fp32 noise of the cell
+    # rounds, and the tolerances against the reference, in both variants and dtypes, and
+    # for iteration counts that leave the unrolled loop empty (1), only its remainder (2, 4) or both (6)
+    for dtype in ("float32", "bfloat16"):
+        for iters in (20, 1, 2, 4, 6):
+            spec = make_spec(form, dtype, sinkhorn_iters=iters)
+            for T, how in ((37, "split"), (5, "tiled")):
+                cfg = mm.choose_config(spec, T, device="cpu", variant=how)
+                args = make_inputs(spec, T, seed=71 + iters)
+                factors = mega_mhc(*args, spec, config=dataclasses.replace(cfg, sinkhorn_factors=True),
+                                   out=poisoned(spec, T))
+                assert_matches_reference(spec, args, factors)
+                cells = mega_mhc(*args, spec, config=cfg)
+                assert rel(factors[4], cells[4]) <= 1e-6, (dtype, iters, how)
+                for name, a, b in zip(OUTPUTS, factors, cells):
+                    if name not in ("comb",) and a is not None:  # the rest does not see Sinkhorn
+                        assert torch.equal(a, b), (name, dtype, iters, how)
+
+
 def test_a_cuda_launch_is_co_resident_only_when_its_build_fits_the_device(monkeypatch):
     # _fits_at_once compiles the co-resident build (Triton's warmup) and asks its occupancy, unless
     # the grid has more than CO_RESIDENT_CANDIDATE_PER_SM programs an SM: then it does not compile
