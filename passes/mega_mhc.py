@@ -25,6 +25,13 @@ stream dtype exactly where the reference does; Sinkhorn runs the same number of 
 
 The mixing term's transpose is checked, not assumed: the matcher follows the comb operand through
 unsqueeze/permute/reshape to the batched GEMM and accepts only `sum over the first index`.
+
+Inductor's freezing (`torch._inductor.config.freezing`) makes the weights constants (get_attr
+nodes) and folds whatever reads only them: fn^T becomes one constant (or, on CPU with weight
+prepacking, the projection becomes MKL's linear, which keeps fn as its third argument), base's
+split becomes three constants and scale's selects three scalars. The head matcher accepts those and
+rebuilds fn, base and scale as the kernel reads them, as new constants of the GraphModule, once at
+compile time (frozen weights do not change).
 """
 
 from __future__ import annotations
@@ -44,6 +51,12 @@ from .registry import register
 
 LAYOUT = (aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze, aten.permute,
           aten.expand, aten.clone, aten.transpose, aten.t)
+# Inductor's freezing on CPU (with weight prepacking) turns x @ W^T with a frozen W into MKL's
+# linear: (x, packed W^T, W^T, bias, batch). Not every build has it.
+try:
+    MKL_LINEAR = (torch.ops.mkl._mkl_linear,)
+except (AttributeError, RuntimeError):
+    MKL_LINEAR = ()
 
 
 @dataclass
@@ -117,6 +130,8 @@ def _affine(node, mix_part, base_part, scale_index):
         return [node, mul, s, *views], s.args[0]
     if s.target is operator.getitem and is_op(s.args[0], aten.unbind) and s.args[1] == scale_index:  # scale.unbind(0)[i]
         return [node, mul, s, s.args[0], *views], s.args[0].args[0]
+    if s.op == "get_attr":  # a frozen scale[i]: Inductor's freezing folded the select into a constant
+        return [node, mul, *views], s
     raise NoMatch("coefficient affine map does not read scale[%d]" % scale_index)
 
 
@@ -176,6 +191,57 @@ def _sinkhorn(start: fx.Node) -> tuple[fx.Node, float, int, list[fx.Node]]:
     return current, eps, (normalisations + 1) // 2, nodes
 
 
+def _frozen_value(node: fx.Node) -> torch.Tensor:
+    """The tensor behind a get_attr node: a weight Inductor's freezing made a constant."""
+    value = node.graph.owning_module
+    for part in node.target.split("."):
+        value = getattr(value, part)
+    if not isinstance(value, torch.Tensor):
+        raise NoMatch(f"{node.name}: a frozen constant that is not a tensor")
+    return value
+
+
+def _frozen_constant(graph: fx.Graph, after: fx.Node, name: str, value: torch.Tensor) -> fx.Node:
+    """A new constant of the GraphModule (made once at compile time: frozen weights do not change)
+    read by a get_attr node placed after `after`, with the fake value the passes read."""
+    gm = graph.owning_module
+    name = f"_megafuse_{name}"
+    for k in range(1000):
+        if not hasattr(gm, f"{name}{k}"):
+            name = f"{name}{k}"
+            break
+    gm.register_buffer(name, value)
+    with graph.inserting_after(after):
+        node = graph.get_attr(name)
+    fake = val(after)
+    with fake.fake_mode:
+        node.meta["val"] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    return node
+
+
+def _frozen_fn(weight: fx.Node, width: int, transposed: bool) -> fx.Node:
+    """fn where freezing made the projection's weight a constant: mm's folded fn^T [nD, width]
+    (`transposed`), or MKL's linear's original weight, fn itself [width, nD]. A constant of fn,
+    [width, nD] and contiguous as the kernel reads it."""
+    value = _frozen_value(weight)
+    fn = value.t() if transposed and value.dim() == 2 else value
+    if fn.dim() != 2 or fn.shape[0] != width:
+        raise NoMatch(f"the fn projection's frozen weight {list(value.shape)} is not "
+                      f"{'[nD, %d]' % width if transposed else '[%d, nD]' % width}")
+    return _frozen_constant(weight.graph, weight, "fn", fn.contiguous())
+
+
+def _frozen_concat(graph: fx.Graph, parts: list[fx.Node], name: str) -> fx.Node:
+    """base [(2+n)n] or scale [3] from the constants freezing folded their slices into (each
+    base_pre / base_post / base_comb, each scale[i])."""
+    if not all(isinstance(p, fx.Node) and p.op == "get_attr" for p in parts):
+        raise NoMatch(f"the coefficient {name} is frozen in part only")
+    values = [_frozen_value(p).reshape(-1) for p in parts]
+    if len({v.dtype for v in values}) != 1:
+        raise NoMatch(f"the frozen pieces of the coefficient {name} differ in dtype")
+    return _frozen_constant(graph, parts[-1], name, torch.cat(values))
+
+
 def _match_head(split: fx.Node) -> Head:
     """split(mix, [n, n, n*n]) of an mHC projection -> the whole coefficient head."""
     sizes = list(split.args[1])
@@ -188,16 +254,22 @@ def _match_head(split: fx.Node) -> Head:
     if is_op(mix, aten.mul):
         a, b = mix.args
         a_core, b_core = strip(a, converts=False)[0], strip(b, converts=False)[0]
-        mm, rsqrt = (a_core, b) if is_op(a_core, aten.mm) else (b_core, a)
+        mm, rsqrt = (a_core, b) if is_op(a_core, aten.mm, *MKL_LINEAR) else (b_core, a)
         nodes_mm_views = strip(a if mm is a_core else b, converts=False)[1]
     else:
         mm, nodes_mm_views = strip(mix, converts=False)
-    if not is_op(mm, aten.mm):
+    if is_op(mm, aten.mm):
+        x, fn_t = mm.args
+    elif is_op(mm, *MKL_LINEAR):
+        x, fn_t = mm.args[0], mm.args[2]
+    else:
         raise NoMatch("the coefficient mix is not an fn projection (mm)", candidate=False)
-    x, fn_t = mm.args
-    if not is_op(fn_t, aten.permute, aten.t):
-        raise NoMatch("the fn projection's weight is not transposed [(2+n)n, nD]")
-    fn = strip(fn_t.args[0], layout=False)[0]
+    if is_op(fn_t, aten.permute, aten.t):
+        fn = strip(fn_t.args[0], layout=False)[0]
+    elif fn_t.op == "get_attr":  # Inductor's freezing folded the frozen weight (and its transpose)
+        fn = _frozen_fn(fn_t, sum(sizes), transposed=is_op(mm, aten.mm))
+    else:
+        raise NoMatch("the fn projection's weight is neither fn^T [nD, (2+n)n] nor a frozen constant")
     nodes = [split, mix, mm, fn_t, *nodes_mm_views]
     if rsqrt is None:  # HF order: the projection reads x * r
         x_view, skipped = strip(x, converts=False)
@@ -228,18 +300,27 @@ def _match_head(split: fx.Node) -> Head:
     # base is split the same way: find it through the affine maps
     m_pre, m_post, m_comb = getitems[0], getitems[1], getitems[2]
     add_pre = _only_user(_only_user(m_pre, aten.mul), aten.add)
-    base_pre = next(a for a in add_pre.args if not is_op(a, aten.mul))
-    if not (base_pre.target is operator.getitem and is_op(base_pre.args[0], aten.split_with_sizes, aten.split)):
-        raise NoMatch("the coefficient base is not split like the mix")
-    base_split = base_pre.args[0]
-    base_items = {u.args[1]: u for u in base_split.users if u.target is operator.getitem}
-    base = base_split.args[0]
-    a_pre, scale = _affine(add_pre, m_pre, base_items[0], 0)
     add_post = _only_user(_only_user(m_post, aten.mul), aten.add)
-    a_post, _ = _affine(add_post, m_post, base_items[1], 1)
     comb_mix = m_comb if any(is_op(u, aten.mul) for u in m_comb.users) else _only_user(m_comb, aten.view, aten.reshape)
     add_comb = _only_user(_only_user(comb_mix, aten.mul), aten.add)
-    a_comb, _ = _affine(add_comb, m_comb, base_items[2], 2)
+    base_pre = next(a for a in add_pre.args if not is_op(a, aten.mul))
+    frozen = base_pre.op == "get_attr"  # Inductor's freezing folded base's split into constants
+    if frozen:
+        base_items = {i: next(a for a in add.args if not is_op(a, aten.mul))
+                      for i, add in enumerate((add_pre, add_post, add_comb))}
+        base_split = None
+    elif base_pre.target is operator.getitem and is_op(base_pre.args[0], aten.split_with_sizes, aten.split):
+        base_split = base_pre.args[0]
+        base_items = {u.args[1]: u for u in base_split.users if u.target is operator.getitem}
+        base = base_split.args[0]
+    else:
+        raise NoMatch("the coefficient base is not split like the mix")
+    a_pre, scale = _affine(add_pre, m_pre, base_items[0], 0)
+    a_post, scale_post = _affine(add_post, m_post, base_items[1], 1)
+    a_comb, scale_comb = _affine(add_comb, m_comb, base_items[2], 2)
+    if frozen:  # one base and one scale, as the kernel reads them, from the folded pieces
+        base = _frozen_concat(split.graph, [base_items[i] for i in range(3)], "base")
+        scale = _frozen_concat(split.graph, [scale, scale_post, scale_comb], "scale")
     # pre = sigmoid(.) + hc_eps; post = 2 * sigmoid(.)
     sig_pre = _only_user(add_pre, aten.sigmoid)
     pre = _only_user(sig_pre, aten.add)
@@ -255,7 +336,8 @@ def _match_head(split: fx.Node) -> Head:
     comb, hc_eps, iters, sink_nodes = _sinkhorn(comb_logits[0])
     if scalar(pre.args[1]) != hc_eps:
         raise NoMatch("pre's eps differs from Sinkhorn's eps")
-    nodes += [m_pre, m_post, m_comb, base_pre, base_split, *base_items.values(), *a_pre, *a_post, *a_comb,
+    nodes += [m_pre, m_post, m_comb, *([base_split] if base_split is not None else []), *base_items.values(),
+              *a_pre, *a_post, *a_comb,
               sig_pre, pre, sig_post, post, comb_logits[0], comb_mix, *sink_nodes]
     return Head(stream, fn, base, scale, stat_eps, hc_eps, iters, pre, post, comb, nodes)
 

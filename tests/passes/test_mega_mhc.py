@@ -1,12 +1,16 @@
 """Mega-mHC pass: every seam form matches and equals the chain; exact counts on whole models."""
 
+import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 import passes
+from torch._inductor import config as inductor_config
 from model.layers import RMSNorm
 from model.mhc import HyperConnection, hc_post, hc_pre
 from tests.passes.online_softmax import ONLINE_SOFTMAX
@@ -81,6 +85,59 @@ def test_every_seam_form_matches_and_equals_the_chain(tmp_path, form, dtype, sof
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for got, want in zip(out, ref):
         assert _rel(got, want) <= tol
+
+
+def _frozen_seam(form, dump_dir):
+    """Seam(form) compiled under Inductor's freezing: (report, graph before, graph after, max rel err)."""
+    module = Seam(form, torch.bfloat16).eval()
+    args = _inputs(7, torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.no_grad(), inductor_config.patch(freezing=True):
+        fused = passes.compile(module, passes=["mega_mhc"], dump_dir=dump_dir, fullgraph=True)
+        out = fused(*args)
+        ref = module(*args)
+    before = (dump_dir / "graph000_mega_mhc_before.txt").read_text()
+    after = (dump_dir / "graph000_mega_mhc_after.txt").read_text()
+    return fused.report, before, after, max(_rel(got, want) for got, want in zip(out, ref))
+
+
+@pytest.mark.parametrize("form", ["delayed", "first", "final", "fresh"])
+def test_every_seam_form_fuses_whole_under_inductor_freezing(tmp_path, form):
+    # torch._inductor.config.freezing (inference): the weights become constants and Inductor folds
+    # what reads only them: fn's transpose (on CPU with weight prepacking, the default, the whole
+    # projection becomes MKL's linear), base's split and scale's selects. The seam still fuses
+    # whole: the pass rebuilds fn, base and scale as constants the kernel reads (made once, at
+    # compile time). (Which projection Inductor emits is fixed by the process's first freezing
+    # compile; the mm of a GPU, or of CPU without prepacking, is the next test.)
+    report, before, after, err = _frozen_seam(form, tmp_path)
+    assert report.counts() == {"mega_mhc": 1}, report.rejections("mega_mhc")
+    assert report.matches("mega_mhc")[0].spec["has_coefficients"] == (form != "final")
+    if form != "final":
+        assert "get_attr[target=_frozen_param" in before and before.count("aten.split_with_sizes") == 1  # folded
+        for constant in ("_megafuse_fn", "_megafuse_base", "_megafuse_scale"):
+            assert f"get_attr[target={constant}" in after, constant
+    for gone in ("aten.rsqrt", "aten.sigmoid", "aten.bmm", "aten.amax", "_mkl_linear", "aten.mm"):
+        assert gone not in after, gone
+    assert err <= 1e-2
+
+
+def test_a_frozen_projection_as_mm_fuses_too():
+    # freezing without weight prepacking (in a fresh process: Inductor registers its prepacking
+    # patterns once, at the first freezing compile): fn^T is a folded constant read by aten.mm
+    code = """if True:
+        import pathlib, sys, tempfile
+        from torch._inductor import config
+        config.cpp.weight_prepack = False
+        from tests.passes.test_mega_mhc import _frozen_seam
+        report, before, after, err = _frozen_seam("delayed", pathlib.Path(tempfile.mkdtemp()))
+        ok = (report.counts() == {"mega_mhc": 1} and "aten.mm" in before and "_mkl_linear" not in before
+              and "aten.mm" not in after and "get_attr[target=_megafuse_fn" in after and err <= 1e-2)
+        print(report.counts(), err)
+        sys.exit(0 if ok else 1)
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          cwd=pathlib.Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
 
 
 def test_a_plain_residual_add_is_not_a_seam(tmp_path):
