@@ -8,6 +8,13 @@ import torch.fx as fx
 aten = torch.ops.aten
 prims = torch.ops.prims
 
+# Inductor's freezing on CPU (with weight prepacking) turns x @ W^T with a frozen W into MKL's
+# linear: (x, packed W, W, bias, batch). Not every build has it.
+try:
+    MKL_LINEAR = (torch.ops.mkl._mkl_linear,)
+except (AttributeError, RuntimeError):
+    MKL_LINEAR = ()
+
 # Ops that change a tensor's layout or name but not its numbers.
 LAYOUT_OPS = (aten.view, aten._unsafe_view, aten.reshape, aten.clone, aten.alias)
 
@@ -69,3 +76,43 @@ def scalar(x) -> float | None:
 
 def only_users_in(node: fx.Node, allowed: set) -> bool:
     return all(u in allowed for u in node.users)
+
+
+def frozen_value(node: fx.Node) -> torch.Tensor | None:
+    """The tensor behind a get_attr node (a weight Inductor's freezing made a constant), else None."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    value = node.graph.owning_module
+    for part in node.target.split("."):
+        value = getattr(value, part, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def new_constant(graph: fx.Graph, after: fx.Node, name: str, value: torch.Tensor) -> fx.Node:
+    """A new constant of the GraphModule, read by a get_attr node placed after `after` and carrying
+    the fake value the passes read. Made once at compile time: frozen weights do not change."""
+    gm = graph.owning_module
+    name = next(f"_megafuse_{name}{k}" for k in range(1 << 20) if not hasattr(gm, f"_megafuse_{name}{k}"))
+    gm.register_buffer(name, value)
+    with graph.inserting_after(after):
+        node = graph.get_attr(name)
+    with val(after).fake_mode:
+        node.meta["val"] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    return node
+
+
+def frozen_weight(node: fx.Node, rows: int, transposed: bool, what: str) -> fx.Node | None:
+    """A weight [rows, cols] as a contiguous constant, from the get_attr Inductor's freezing made of
+    it: `transposed` where the folded constant is W^T (an mm's operand), else W itself (MKL's
+    linear keeps it). None if `node` is not a frozen constant; NoMatch (from the caller's `what`)
+    if its shape does not fit."""
+    value = frozen_value(node)
+    if value is None:
+        return None
+    weight = value.t() if transposed and value.dim() == 2 else value
+    if weight.dim() != 2 or weight.shape[0] != rows:
+        from .base import NoMatch
+        raise NoMatch(f"the frozen {what} {list(value.shape)} is not "
+                      f"{'[cols, %d]' % rows if transposed else '[%d, cols]' % rows}")
+    return new_constant(node.graph, node, what.replace(" ", "_"), weight.contiguous())
+

@@ -33,7 +33,7 @@ import torch.fx as fx
 from lowering import mega_gate as gate_kernels
 
 from .base import Candidate, FusionPass, NoMatch
-from .graph import aten, arg, dtype, is_last_dim, is_op, only_users_in, rank, scalar, strip, val
+from .graph import MKL_LINEAR, aten, arg, dtype, frozen_weight, is_last_dim, is_op, only_users_in, rank, scalar, strip, val
 from .registry import register
 
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus default: x for x > 20
@@ -76,12 +76,21 @@ def _match_gemm(logits: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
     mm, skipped = strip(logits)
     if is_op(mm, aten.addmm):
         raise NoMatch("the gate GEMM has a bias term (addmm): not a supported variant")
-    if not is_op(mm, aten.mm):
+    if is_op(mm, aten.mm):
+        u, w_t = mm.args
+    elif is_op(mm, *MKL_LINEAR):  # Inductor's freezing on CPU with weight prepacking
+        if mm.args[3] is not None:
+            raise NoMatch("the gate GEMM has a bias term (MKL linear): not a supported variant")
+        u, w_t = mm.args[0], mm.args[2]
+    else:
         raise NoMatch("the scores do not come from a GEMM", candidate=False)
-    u, w_t = mm.args
-    if not is_op(w_t, aten.permute, aten.t) or (is_op(w_t, aten.permute) and list(w_t.args[1]) != [1, 0]):
-        raise NoMatch("the GEMM's second operand is not a transposed [experts, hidden] weight")
-    weight, weight_converts = strip(w_t.args[0], layout=False)
+    # a frozen weight (Inductor's freezing folds its transpose into a constant)
+    weight = frozen_weight(w_t, val(mm).shape[-1], transposed=is_op(mm, aten.mm), what="gate weight")
+    weight_converts = []
+    if weight is None:
+        if not is_op(w_t, aten.permute, aten.t) or (is_op(w_t, aten.permute) and list(w_t.args[1]) != [1, 0]):
+            raise NoMatch("the GEMM's second operand is not a transposed [experts, hidden] weight")
+        weight, weight_converts = strip(w_t.args[0], layout=False)
     u_source = u.args[0] if is_op(u, torch.ops.prims.convert_element_type) else u
     nodes = [*skipped, mm, w_t, *weight_converts] + ([u] if u_source is not u else [])
     return u_source, weight, nodes
@@ -176,7 +185,7 @@ class MegaGatePass(FusionPass):
             "input_dtype": str(dtype(u)).removeprefix("torch."),
             "weight_dtype": str(dtype(weight)).removeprefix("torch."),
             "precision": self.options["precision"],
-            "logits_dtype": str(dtype(next(n for n in gemm if is_op(n, aten.mm)))).removeprefix("torch."),
+            "logits_dtype": str(dtype(next(n for n in gemm if is_op(n, aten.mm, *MKL_LINEAR)))).removeprefix("torch."),
         }
         return Candidate(topk, [n for n in topk.graph.nodes if n in inside], spec,
                          inputs={"u": u, "weight": weight, "bias": bias}, outputs={"weights": final, "ids": ids})

@@ -46,17 +46,12 @@ from lowering import mega_mhc as mhc_kernels
 
 from .ops import mhc_fake, mhc_unsupported
 from .base import Candidate, FusionPass, NoMatch
-from .graph import aten, dtype, is_convert, is_last_dim, is_op, only_users_in, prims, rank, scalar, strip, val
+from .graph import (MKL_LINEAR, aten, dtype, frozen_value, frozen_weight, is_convert, is_last_dim, is_op,
+                    new_constant, only_users_in, prims, rank, scalar, strip, val)
 from .registry import register
 
 LAYOUT = (aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze, aten.permute,
           aten.expand, aten.clone, aten.transpose, aten.t)
-# Inductor's freezing on CPU (with weight prepacking) turns x @ W^T with a frozen W into MKL's
-# linear: (x, packed W^T, W^T, bias, batch). Not every build has it.
-try:
-    MKL_LINEAR = (torch.ops.mkl._mkl_linear,)
-except (AttributeError, RuntimeError):
-    MKL_LINEAR = ()
 
 
 @dataclass
@@ -191,55 +186,15 @@ def _sinkhorn(start: fx.Node) -> tuple[fx.Node, float, int, list[fx.Node]]:
     return current, eps, (normalisations + 1) // 2, nodes
 
 
-def _frozen_value(node: fx.Node) -> torch.Tensor:
-    """The tensor behind a get_attr node: a weight Inductor's freezing made a constant."""
-    value = node.graph.owning_module
-    for part in node.target.split("."):
-        value = getattr(value, part)
-    if not isinstance(value, torch.Tensor):
-        raise NoMatch(f"{node.name}: a frozen constant that is not a tensor")
-    return value
-
-
-def _frozen_constant(graph: fx.Graph, after: fx.Node, name: str, value: torch.Tensor) -> fx.Node:
-    """A new constant of the GraphModule (made once at compile time: frozen weights do not change)
-    read by a get_attr node placed after `after`, with the fake value the passes read."""
-    gm = graph.owning_module
-    name = f"_megafuse_{name}"
-    for k in range(1000):
-        if not hasattr(gm, f"{name}{k}"):
-            name = f"{name}{k}"
-            break
-    gm.register_buffer(name, value)
-    with graph.inserting_after(after):
-        node = graph.get_attr(name)
-    fake = val(after)
-    with fake.fake_mode:
-        node.meta["val"] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-    return node
-
-
-def _frozen_fn(weight: fx.Node, width: int, transposed: bool) -> fx.Node:
-    """fn where freezing made the projection's weight a constant: mm's folded fn^T [nD, width]
-    (`transposed`), or MKL's linear's original weight, fn itself [width, nD]. A constant of fn,
-    [width, nD] and contiguous as the kernel reads it."""
-    value = _frozen_value(weight)
-    fn = value.t() if transposed and value.dim() == 2 else value
-    if fn.dim() != 2 or fn.shape[0] != width:
-        raise NoMatch(f"the fn projection's frozen weight {list(value.shape)} is not "
-                      f"{'[nD, %d]' % width if transposed else '[%d, nD]' % width}")
-    return _frozen_constant(weight.graph, weight, "fn", fn.contiguous())
-
-
 def _frozen_concat(graph: fx.Graph, parts: list[fx.Node], name: str) -> fx.Node:
     """base [(2+n)n] or scale [3] from the constants freezing folded their slices into (each
     base_pre / base_post / base_comb, each scale[i])."""
-    if not all(isinstance(p, fx.Node) and p.op == "get_attr" for p in parts):
+    values = [frozen_value(p) for p in parts]
+    if any(v is None for v in values):
         raise NoMatch(f"the coefficient {name} is frozen in part only")
-    values = [_frozen_value(p).reshape(-1) for p in parts]
     if len({v.dtype for v in values}) != 1:
         raise NoMatch(f"the frozen pieces of the coefficient {name} differ in dtype")
-    return _frozen_constant(graph, parts[-1], name, torch.cat(values))
+    return new_constant(graph, parts[-1], name, torch.cat([v.reshape(-1) for v in values]))
 
 
 def _match_head(split: fx.Node) -> Head:
@@ -264,11 +219,11 @@ def _match_head(split: fx.Node) -> Head:
         x, fn_t = mm.args[0], mm.args[2]
     else:
         raise NoMatch("the coefficient mix is not an fn projection (mm)", candidate=False)
-    if is_op(fn_t, aten.permute, aten.t):
+    # Inductor's freezing folds a frozen fn (and its transpose) into a constant
+    fn = frozen_weight(fn_t, sum(sizes), transposed=is_op(mm, aten.mm), what="fn projection weight")
+    if fn is None and is_op(fn_t, aten.permute, aten.t):
         fn = strip(fn_t.args[0], layout=False)[0]
-    elif fn_t.op == "get_attr":  # Inductor's freezing folded the frozen weight (and its transpose)
-        fn = _frozen_fn(fn_t, sum(sizes), transposed=is_op(mm, aten.mm))
-    else:
+    elif fn is None:
         raise NoMatch("the fn projection's weight is neither fn^T [nD, (2+n)n] nor a frozen constant")
     nodes = [split, mix, mm, fn_t, *nodes_mm_views]
     if rsqrt is None:  # HF order: the projection reads x * r

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import passes
+from torch._inductor import config as inductor_config
 from tests.passes.gate_clients import BiasInWeights, GateChain, MixtralRouter, SoftmaxAfterTopk, TopkOverTokens
 
 
@@ -66,6 +67,28 @@ def test_every_fp32_variant_matches_once_and_equals_the_chain(tmp_path, score_fu
     assert match.spec["renorm_eps"] == (1e-20 if renorm == "eps" else 0.0)
     assert match.spec["scale"] == (scale or 1.0)
     _assert_same_routing(out, module(u), rtol=1e-5, choice=_choice(module, u))
+
+
+@pytest.mark.parametrize("score_func", ["sqrtsoftplus", "softmax"])
+def test_a_frozen_gate_fuses_too(tmp_path, score_func):
+    # Inductor's freezing (inference) makes the gate weight a constant and folds its transpose
+    # (on CPU with weight prepacking, the default, the GEMM becomes MKL's linear): the pass takes
+    # the weight from the constant and fuses as without freezing
+    module = GateChain(score_func=score_func, bias=True, renorm="eps", scale=1.5).eval()
+    u = torch.randn(33, 64, generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    with torch.no_grad(), inductor_config.patch(freezing=True):
+        fused = passes.compile(module, passes=["mega_gate"], dump_dir=tmp_path, fullgraph=True)
+        out = fused(u)
+        ref = module(u)
+    assert fused.report.counts() == {"mega_gate": 1}, fused.report.rejections("mega_gate")
+    before = "\n".join(p.read_text() for p in sorted(tmp_path.glob("graph*_mega_gate_before.txt")))
+    assert "get_attr[target=_frozen_param" in before
+    after = _after_graph(tmp_path)
+    assert "megafuse.mega_gate" in after and "get_attr[target=_megafuse_gate_weight" in after
+    for gone in ("aten.topk", "aten.mm", "_mkl_linear", "aten.sqrt", "aten.amax"):
+        assert gone not in after, gone
+    _assert_same_routing(out, ref, rtol=1e-5, choice=_choice(module, u))
 
 
 @pytest.mark.parametrize("score_func", ["sqrtsoftplus", "softmax"])

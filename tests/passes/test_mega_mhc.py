@@ -122,17 +122,28 @@ def test_every_seam_form_fuses_whole_under_inductor_freezing(tmp_path, form):
 
 
 def test_a_frozen_projection_as_mm_fuses_too():
-    # freezing without weight prepacking (in a fresh process: Inductor registers its prepacking
-    # patterns once, at the first freezing compile): fn^T is a folded constant read by aten.mm
+    # freezing without weight prepacking, as on a GPU (in a fresh process: Inductor registers its
+    # prepacking patterns once, at the first freezing compile): fn^T, and the gate's W^T, are
+    # folded constants read by aten.mm
     code = """if True:
-        import pathlib, sys, tempfile
+        import pathlib, sys, tempfile, torch
         from torch._inductor import config
         config.cpp.weight_prepack = False
+        import passes
+        from tests.passes.gate_clients import GateChain
         from tests.passes.test_mega_mhc import _frozen_seam
         report, before, after, err = _frozen_seam("delayed", pathlib.Path(tempfile.mkdtemp()))
         ok = (report.counts() == {"mega_mhc": 1} and "aten.mm" in before and "_mkl_linear" not in before
               and "aten.mm" not in after and "get_attr[target=_megafuse_fn" in after and err <= 1e-2)
-        print(report.counts(), err)
+        gate = GateChain(score_func="sigmoid", bias=True, renorm="eps", scale=1.5).eval()
+        u = torch.randn(33, 64)
+        torch._dynamo.reset()
+        with torch.no_grad(), config.patch(freezing=True):
+            fused = passes.compile(gate, passes=["mega_gate"], fullgraph=True)
+            ids, ref_ids = fused(u)[1], gate(u)[1]
+        ok = ok and fused.report.counts() == {"mega_gate": 1} and torch.equal(ids.sort(-1).values,
+                                                                            ref_ids.sort(-1).values)
+        print(report.counts(), err, fused.report.counts())
         sys.exit(0 if ok else 1)
     """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
