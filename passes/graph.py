@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .base import NoMatch
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -111,7 +113,6 @@ def frozen_weight(node: fx.Node, rows: int, transposed: bool, what: str) -> fx.N
         return None
     weight = value.t() if transposed and value.dim() == 2 else value
     if weight.dim() != 2 or weight.shape[0] != rows:
-        from .base import NoMatch
         raise NoMatch(f"the frozen {what} {list(value.shape)} is not "
                       f"{'[cols, %d]' % rows if transposed else '[%d, cols]' % rows}")
     return new_constant(node.graph, node, what.replace(" ", "_"), weight.contiguous())
