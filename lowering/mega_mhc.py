@@ -674,6 +674,15 @@ def _parked_block(u_ptr, w_ptr, rows64, row_ok, b, b_end, R_BLOCK: tl.constexpr)
 
 
 @triton.jit
+def _rescale_part(u_ptr, w_ptr, T, tile, inv_c, part, R_PER_JOB: tl.constexpr, TILE_T: tl.constexpr,
+                  R_BLOCK: tl.constexpr, RESCALE_STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+    """_rescale over rescale part `part` of the tile: its R_PER_JOB blocks (fewer in D's last part)."""
+    b_begin = part * R_PER_JOB
+    _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin, tl.minimum(b_begin + R_PER_JOB, (D + R_BLOCK - 1) // R_BLOCK),
+             TILE_T, R_BLOCK, RESCALE_STAGES, INTERPRETED)
+
+
+@triton.jit
 def _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin, b_end, TILE_T: tl.constexpr,
              R_BLOCK: tl.constexpr, RESCALE_STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     """u = (c * 1/rms) * norm_weight, in place on the parked collapse, over column blocks
@@ -895,9 +904,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                         inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES))
                         for p in range(R_SPLITS):
                             if ((handed >> p) & 1) != 0:
-                                _rescale(u_ptr, w_ptr, T, tile, inv_c, p * R_PER_JOB,
-                                         tl.minimum(p * R_PER_JOB + R_PER_JOB, (D + R_BLOCK - 1) // R_BLOCK),
-                                         TILE_T, R_BLOCK, RESCALE_STAGES, INTERPRETED)
+                                _rescale_part(u_ptr, w_ptr, T, tile, inv_c, p, R_PER_JOB, TILE_T, R_BLOCK,
+                                              RESCALE_STAGES, INTERPRETED)
                                 done += 1
                 _stamp(trace_ptr, EV_FINISHED, TRACE)
         elif role == ROLE_COLLAPSE:
@@ -925,7 +933,6 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                 _stamp(trace_ptr, EV_FINISHED, TRACE)
         elif role == ROLE_RESCALE:  # (else no job: only if the sync state was corrupted)
             _note_job(trace_ptr, job, ROLE_RESCALE, TRACE)
-            b_begin = part * R_PER_JOB
             sync = sync_ptr + TILE_SYNC + tile * 4
             if FRESH:
                 failed = _wait(sync + READY_C, 1, MAX_SPINS)
@@ -947,9 +954,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             if not HANDOFF:
                 inv_c = tl.where(failed, float("nan"), inv_c)
             if done != 0:  # (HANDOFF: 0 where the part was handed off)
-                _rescale(u_ptr, w_ptr, T, tile, inv_c, b_begin,
-                         tl.minimum(b_begin + R_PER_JOB, (D + R_BLOCK - 1) // R_BLOCK), TILE_T, R_BLOCK,
-                         RESCALE_STAGES, INTERPRETED)
+                _rescale_part(u_ptr, w_ptr, T, tile, inv_c, part, R_PER_JOB, TILE_T, R_BLOCK, RESCALE_STAGES,
+                              INTERPRETED)
             _stamp(trace_ptr, EV_WORK, TRACE)
         # The last job to finish restores the all-zero state: every job number has been claimed
         # and every wait of this launch is over. Relaxed: nothing is published through this

@@ -80,6 +80,19 @@ def only_users_in(node: fx.Node, allowed: set) -> bool:
     return all(u in allowed for u in node.users)
 
 
+def linear_operands(node: fx.Node, what: str) -> tuple[fx.Node, fx.Node, bool] | None:
+    """(x, weight operand, transposed) of x @ W^T: an mm (its operand W^T, transposed) or, under
+    Inductor's freezing on CPU with weight prepacking, MKL's linear (its operand W itself); None for
+    anything else. A linear with a bias term is NoMatch (`what` names it)."""
+    if is_op(node, aten.mm):
+        return node.args[0], node.args[1], True
+    if is_op(node, *MKL_LINEAR):
+        if node.args[3] is not None:
+            raise NoMatch(f"the {what} has a bias term (MKL linear): not a supported variant")
+        return node.args[0], node.args[2], False
+    return None
+
+
 def frozen_value(node: fx.Node) -> torch.Tensor | None:
     """The tensor behind a get_attr node (a weight Inductor's freezing made a constant), else None."""
     if not isinstance(node, fx.Node) or node.op != "get_attr":

@@ -33,7 +33,8 @@ import torch.fx as fx
 from lowering import mega_gate as gate_kernels
 
 from .base import Candidate, FusionPass, NoMatch
-from .graph import MKL_LINEAR, aten, arg, dtype, frozen_weight, is_last_dim, is_op, only_users_in, rank, scalar, strip, val
+from .graph import (MKL_LINEAR, aten, arg, dtype, frozen_weight, is_last_dim, is_op, linear_operands, only_users_in,
+                    rank, scalar, strip, val)
 from .registry import register
 
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus default: x for x > 20
@@ -76,16 +77,12 @@ def _match_gemm(logits: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
     mm, skipped = strip(logits)
     if is_op(mm, aten.addmm):
         raise NoMatch("the gate GEMM has a bias term (addmm): not a supported variant")
-    if is_op(mm, aten.mm):
-        u, w_t = mm.args
-    elif is_op(mm, *MKL_LINEAR):  # Inductor's freezing on CPU with weight prepacking
-        if mm.args[3] is not None:
-            raise NoMatch("the gate GEMM has a bias term (MKL linear): not a supported variant")
-        u, w_t = mm.args[0], mm.args[2]
-    else:
+    linear = linear_operands(mm, "gate GEMM")
+    if linear is None:
         raise NoMatch("the scores do not come from a GEMM", candidate=False)
+    u, w_t, transposed = linear
     # a frozen weight (Inductor's freezing folds its transpose into a constant)
-    weight = frozen_weight(w_t, val(mm).shape[-1], transposed=is_op(mm, aten.mm), what="gate weight")
+    weight = frozen_weight(w_t, val(mm).shape[-1], transposed=transposed, what="gate weight")
     weight_converts = []
     if weight is None:
         if not is_op(w_t, aten.permute, aten.t) or (is_op(w_t, aten.permute) and list(w_t.args[1]) != [1, 0]):

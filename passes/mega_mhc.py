@@ -47,7 +47,7 @@ from lowering import mega_mhc as mhc_kernels
 from .ops import mhc_fake, mhc_unsupported
 from .base import Candidate, FusionPass, NoMatch
 from .graph import (MKL_LINEAR, aten, dtype, frozen_value, frozen_weight, is_convert, is_last_dim, is_op,
-                    new_constant, only_users_in, prims, rank, scalar, strip, val)
+                    linear_operands, new_constant, only_users_in, prims, rank, scalar, strip, val)
 from .registry import register
 
 LAYOUT = (aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze, aten.permute,
@@ -213,14 +213,12 @@ def _match_head(split: fx.Node) -> Head:
         nodes_mm_views = strip(a if mm is a_core else b, converts=False)[1]
     else:
         mm, nodes_mm_views = strip(mix, converts=False)
-    if is_op(mm, aten.mm):
-        x, fn_t = mm.args
-    elif is_op(mm, *MKL_LINEAR):
-        x, fn_t = mm.args[0], mm.args[2]
-    else:
+    linear = linear_operands(mm, "fn projection")
+    if linear is None:
         raise NoMatch("the coefficient mix is not an fn projection (mm)", candidate=False)
+    x, fn_t, transposed = linear
     # Inductor's freezing folds a frozen fn (and its transpose) into a constant
-    fn = frozen_weight(fn_t, sum(sizes), transposed=is_op(mm, aten.mm), what="fn projection weight")
+    fn = frozen_weight(fn_t, sum(sizes), transposed=transposed, what="fn projection weight")
     if fn is None and is_op(fn_t, aten.permute, aten.t):
         fn = strip(fn_t.args[0], layout=False)[0]
     elif fn is None:
