@@ -133,8 +133,8 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json, stop 16's code): CUDA-graph replay 5.8 / 8.9 / 24.8 / 147
-us at T = 1 / 64 / 512 / 4096 against 61 / 95 / 301 / 1768 us for the same chain under
+Measured (H200, results/bench_mhc.json, stop 17's code): CUDA-graph replay 5.4 / 8.8 / 24.7 / 145
+us at T = 1 / 64 / 512 / 4096 against 61 / 93 / 301 / 1781 us for the same chain under
 torch.compile (instances differ: the stop-11 kernel measured 10.4 us at T=64 on one, 12.0 on
 another). Where the time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the
 first start; results/bench_mhc.log): at T=1 (co-resident, no claim) stage A done 1.5-2.1 us,
@@ -143,11 +143,13 @@ coefficients + Sinkhorn done 4.7 (the last program); at T=64 (co-resident) stage
 (median, 4.9 max; three [16, 64] chunks: one warp's instruction latency, one program per SM: a
 stage-A job that shared an SM took 7.2-7.7), the arrival ~0.9 us more (with the partial sums in
 4 accumulator copies; 1.9 with one), then the merge 2.0 us after the last arrival (one round trip
-for its block and bias loads, gates and softmax, Sinkhorn's rounds ~1 us), the rescale jobs
-ending before it (two [16, 512] blocks pipelined, then the end ticket); the launch itself ~1 us
-(an empty kernel of 128 programs: 0.59 us in graph replay, 1.16 launched cooperatively,
-results/bench_mhc_runs/stop16_experiments.json); at T=4096 the stage-A jobs end at 122-128 us,
-the merges at 127-132 and the rescale jobs at 137-144 (the parked collapse is re-read, much of it
+for its block and bias loads, gates and softmax, Sinkhorn's rounds ~0.7 us on factors), the
+rescale jobs ending beside it (two [16, 512] blocks loaded with sum(c^2) in one round trip:
+rescale_at_once, then the end ticket; the merges end at 7.4 us, the rescale jobs at 7.3 median,
+7.6 max); the launch itself ~1.1 us (an empty kernel of 128 programs: 0.59 us in graph replay,
+1.16 launched cooperatively, stop16_experiments.json, though dropping the cooperative launch
+(handoff) did not gain at T=64: stop17_experiments.json); at T=4096 the stage-A jobs end at 122-128 us,
+the merges at 126-132 and the rescale jobs at 136-144 (the parked collapse is re-read, much of it
 from HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the launch with each of
 LEAVE_OUT_PARTS compiled out; measured before the paired conversions and sub-tiles): the
 projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at T=512, 24 of 145
@@ -184,6 +186,8 @@ SYNC_PER_TILE = 4  # arrive A, ready A, arrive C, ready C
 # part above the count (bits up to 30 of the int32: MAX_HANDOFF_PARTS).
 HANDOFF_SHIFT = 16
 MAX_HANDOFF_PARTS = 31 - HANDOFF_SHIFT
+# LaunchConfig.rescale_at_once: the largest part (elements) a rescale job holds in registers at once
+RESCALE_AT_ONCE_ELEMS = 16384
 # Stage A may sweep a token tile as sub-tiles (LaunchConfig.sub_tiles); the generated code names
 # sub-tile s's values with SUB_SUFFIX[s] and has code for at most MAX_SUB_TILES of them.
 SUB_SUFFIX = ("", "_s1")
@@ -712,8 +716,35 @@ def _store_rescaled(u_ptr, collapsed, w, inv_c, rows64, row_ok, b, R_BLOCK: tl.c
                     INTERPRETED: tl.constexpr):
     """Column block b of u = (c * 1/rms) * norm_weight, rounded, over the parked collapse."""
     d = b * R_BLOCK + tl.arange(0, R_BLOCK)
-    u = _round(_widen(collapsed, INTERPRETED) * inv_c[:, None] * w[None, :], INTERPRETED)
-    tl.store(u_ptr + rows64[:, None] * D + d[None, :], u, mask=row_ok[:, None] & (d < D)[None, :])
+    tl.store(u_ptr + rows64[:, None] * D + d[None, :], _rescaled(collapsed, w, inv_c, INTERPRETED),
+             mask=row_ok[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _rescaled(collapsed, w, inv_c, INTERPRETED: tl.constexpr):
+    """u = (c * 1/rms) * norm_weight, rounded: `collapsed` [tokens, columns] (stream dtype), `w`
+    [columns], `inv_c` [tokens]."""
+    return _round(_widen(collapsed, INTERPRETED) * inv_c[:, None] * w[None, :], INTERPRETED)
+
+
+@triton.jit
+def _rescale_at_once(u_ptr, w_ptr, acc_ptr, T, tile, part, failed, TILE_T: tl.constexpr,
+                     PART_COLS: tl.constexpr, ACC_COPIES: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A rescale job's part (its R_PER_JOB blocks of R_BLOCK columns: PART_COLS, a power of two)
+    as one [TILE_T, PART_COLS] block (LaunchConfig.rescale_at_once): the parked collapse and the
+    norm weight are loaded before the tile's sum(c^2), so the three loads share one round trip
+    (_rescale_part loads its first block only once 1/rms is known: two). NaN where `failed` (a
+    corrupted sync state)."""
+    rows = tile * TILE_T + tl.arange(0, TILE_T)
+    row_ok = rows < T
+    d = part * PART_COLS + tl.arange(0, PART_COLS)
+    d_ok = d < D
+    ok = row_ok[:, None] & d_ok[None, :]
+    ptrs = u_ptr + rows.to(tl.int64)[:, None] * D + d[None, :]
+    collapsed = tl.load(ptrs, mask=ok, other=0.0)
+    w = tl.load(w_ptr + d, mask=d_ok, other=0.0)
+    inv_c = tl.where(failed, float("nan"), _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES)))
+    tl.store(ptrs, _rescaled(collapsed, w, inv_c, INTERPRETED), mask=ok)
 
 
 @triton.jit
@@ -806,7 +837,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                     R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
                     RESCALE_STAGES: tl.constexpr, ACC_COPIES: tl.constexpr, PRESPLIT: tl.constexpr,
                     CO_RESIDENT: tl.constexpr, HANDOFF: tl.constexpr, JOB_ROTATE: tl.constexpr,
-                    SINKHORN_FACTORS: tl.constexpr,
+                    SINKHORN_FACTORS: tl.constexpr, RESCALE_AT_ONCE: tl.constexpr, PART_COLS: tl.constexpr,
                     INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr,
                     TRACE: tl.constexpr, LEAVE_OUT: tl.constexpr):
     """Grid (1-D); D is N_CHUNKS chunks of BLOCK_D, a stage-A job takes SPLIT_CHUNKS of them.
@@ -950,12 +981,18 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                         failed = (tl.atomic_add(sync + ARRIVE_A, bit, sem="acq_rel") & COUNT_MASK) < N_SPLITS
                         done = tl.where(failed, 0, 1)
                 _stamp(trace_ptr, EV_READY, TRACE)
-                inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES))
-            if not HANDOFF:
-                inv_c = tl.where(failed, float("nan"), inv_c)
-            if done != 0:  # (HANDOFF: 0 where the part was handed off)
-                _rescale_part(u_ptr, w_ptr, T, tile, inv_c, part, R_PER_JOB, TILE_T, R_BLOCK, RESCALE_STAGES,
-                              INTERPRETED)
+                if not RESCALE_AT_ONCE:
+                    inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES))
+            if RESCALE_AT_ONCE:  # (carried pre only)
+                if done != 0:  # (HANDOFF: 0 where the part was handed off)
+                    _rescale_at_once(u_ptr, w_ptr, acc_ptr, T, tile, part, failed & (not HANDOFF), TILE_T, PART_COLS,
+                                     ACC_COPIES, INTERPRETED)
+            else:
+                if not HANDOFF:
+                    inv_c = tl.where(failed, float("nan"), inv_c)
+                if done != 0:  # (HANDOFF: 0 where the part was handed off)
+                    _rescale_part(u_ptr, w_ptr, T, tile, inv_c, part, R_PER_JOB, TILE_T, R_BLOCK, RESCALE_STAGES,
+                                  INTERPRETED)
             _stamp(trace_ptr, EV_WORK, TRACE)
         # The last job to finish restores the all-zero state: every job number has been claimed
         # and every wait of this launch is over. Relaxed: nothing is published through this
@@ -1083,7 +1120,7 @@ def _project(acc, xs, w, INTERPRETED: tl.constexpr):
 
 _GENERATOR_FINGERPRINT = hashlib.sha1(
     (_TEMPLATE.template + _CHUNK_BODY.template + _SUB_BODY.template + _PROJECT_BF16 + _PROJECT_FP32
-     + "gen-v5").encode()).hexdigest()
+     + "gen-v6").encode()).hexdigest()
 
 
 def _fmt_float(x: float) -> str:
@@ -1526,14 +1563,23 @@ class LaunchConfig:
                  cooperative launch (co_resident is not consulted), and a rescale job that has
                  waited MAX_SPINS for its tile hands its blocks to the tile's last stage-A arrival,
                  which does them after its merge: correct whatever the dispatch order and however
-                 few programs are resident. Not yet measured on the H200 (no tuned row uses it): a
-                 cooperative launch of an empty 128-program kernel costs 1.16 us in graph replay
-                 against 0.59 for a plain one (stop16_experiments.json)
+                 few programs are resident. The T=1 row uses it (with the rescale at once and
+                 Sinkhorn on factors 5.52 / 5.36 against 5.89 / 5.63 us for the stop-16 row in two
+                 calls); at T=64 it measured slower (9.06 against 8.89 us) and at T=4096, where the
+                 grid is not resident, much slower (170 against 145: handed parts run one after
+                 another). results/bench_mhc_runs/stop17_experiments.json
     sinkhorn_factors  Sinkhorn's rounds after the first column normalisation keep the softmax
                  cells K fixed and update row and column factors (_comb_lines): 48 instead of 72
                  instructions a round on sm_90, where the merge's rounds are bound by instruction
-                 issue (16 more a round measured +0.39 us at T=64). Not yet measured on the H200
-                 (no tuned row uses it); within 1e-7 of the reference on the CPU
+                 issue (16 more a round measured +0.39 us at T=64). Within 1e-7 of the reference on
+                 the CPU. The merge ends ~0.3 us sooner at T=64 (traces), though the launch gained
+                 0-0.07 us there (the rescale jobs end as late): the T=1 and T=64 rows use it
+    rescale_at_once  rescale jobs (carried pre) load their whole part ([tile_t, r_per_job * r_block]
+                 where r_per_job is a power of two and that is at most RESCALE_AT_ONCE_ELEMS
+                 elements; otherwise the block loop)
+                 before the tile's sum(c^2): one round trip where the loop waits for 1/rms before
+                 its first block (T=64: a rescale job's work 1.1 us after its tile's arrivals
+                 against 1.4; 8.80 against 9.02 us, T=512 24.50 against 24.72; stop17_experiments)
     """
     tile_t: int
     block_d: int
@@ -1549,6 +1595,7 @@ class LaunchConfig:
     co_resident: bool = True
     handoff: bool = False
     sinkhorn_factors: bool = False
+    rescale_at_once: bool = False
 
     def variant(self, dim: int) -> str:
         return "tiled" if self.split_cols >= dim else "split"
@@ -1558,6 +1605,9 @@ class LaunchConfig:
 # (D=5120, n=4, bf16 streams, delayed seam, CUDA-graph replay; results/bench_mhc_runs/stop13_sweep.json
 # "sweep", the last --sweep run, and
 # results/bench_mhc_runs/stop12_experiments.json for T = 1024 and 2048). Rows: (max T, config).
+# Stop 17 added launch flags to the rows (results/bench_mhc_runs/stop17_experiments.json, same
+# process, interleaved): T=1 handoff + Sinkhorn on factors + rescale at once, T=64 factors + at
+# once, T=512 at once (LaunchConfig). The times below are those of the sweeps.
 #   T=1    160 one-chunk stage-A jobs of 32 columns + 10   5.84 us (80 64-column jobs 6.29, the same
 #          rescale jobs                                           with 2 warps 6.02)
 #   T=64   4 tiles x 27 slices of 3 chunks + 5 rescale     9.71 us (stop13_experiments.json: the
@@ -1615,9 +1665,10 @@ class LaunchConfig:
 # did not wait (T=512 2 / 4 / 8 copies 24.68 / 24.98 / 25.91 against 24.67, T=2048 4 copies 93.5
 # against 76.2, T=4096 2 copies 147.4 against 148.1).
 _CUDA_TABLE = (
-    (16, LaunchConfig(16, 32, 32, 16)),
-    (128, LaunchConfig(16, 64, 192, 5, pipeline_stages=3, acc_copies=4, rescale_stages=3)),
-    (512, LaunchConfig(16, 64, 640, 8, pipeline_stages=3)),
+    (16, LaunchConfig(16, 32, 32, 16, handoff=True, sinkhorn_factors=True, rescale_at_once=True)),
+    (128, LaunchConfig(16, 64, 192, 5, pipeline_stages=3, acc_copies=4, rescale_stages=3, sinkhorn_factors=True,
+                       rescale_at_once=True)),
+    (512, LaunchConfig(16, 64, 640, 8, pipeline_stages=3, rescale_at_once=True)),
     (1024, LaunchConfig(32, 64, 640, 8, pipeline_stages=3, sub_tiles=2)),
     (2048, LaunchConfig(32, 64, 1280, 4, pipeline_stages=3, sub_tiles=2, rescale_stages=3)),
     (None, LaunchConfig(32, 64, 2560, 4, pipeline_stages=3, sub_tiles=2, rescale_stages=3)),
@@ -1852,13 +1903,17 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
                          f"{split_chunks * cfg.block_d} columns) exceed the sync words' count of "
                          f"{(1 << HANDOFF_SHIFT) - 1}: use wider slices (split_cols)")
     acc_copies = min(cfg.acc_copies, n_splits)
+    part_cols = r_per_job * r_block  # (r_block is a power of two)
     # handoff needs the carried pre (a fresh collapse job waits on the merge: no one to hand to)
     # and a bit per rescale part in the tile's arrival word; otherwise the co_resident / claim rules
     handoff = cfg.handoff and 0 < r_splits <= MAX_HANDOFF_PARTS and spec.pre == "carried"
     return dict(n_tiles=n_tiles, n_chunks=n_chunks, split_chunks=split_chunks, n_splits=n_splits,
                 r_block=r_block, r_per_job=r_per_job, r_splits=r_splits, n_jobs=n_jobs, acc_copies=acc_copies,
                 acc_elems=n_tiles * acc_copies * cfg.tile_t * _slot_width(spec.n), handoff=handoff,
-                variant="tiled" if n_splits == 1 else "split")
+                rescale_at_once=(cfg.rescale_at_once and r_splits > 0 and spec.pre == "carried"
+                                 and r_per_job & (r_per_job - 1) == 0
+                                 and cfg.tile_t * part_cols <= RESCALE_AT_ONCE_ELEMS),
+                part_cols=part_cols, variant="tiled" if n_splits == 1 else "split")
 
 
 def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec, *,
@@ -1951,7 +2006,8 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         R_PER_JOB=plan["r_per_job"], R_SPLITS=plan["r_splits"], PIPELINE_STAGES=cfg.pipeline_stages,
         RESCALE_STAGES=cfg.rescale_stages, ACC_COPIES=plan["acc_copies"], PRESPLIT=cfg.presplit_fn,
         CO_RESIDENT=False, HANDOFF=plan["handoff"], JOB_ROTATE=job_rotation,
-        SINKHORN_FACTORS=cfg.sinkhorn_factors, INTERPRETED=interpret,
+        SINKHORN_FACTORS=cfg.sinkhorn_factors, RESCALE_AT_ONCE=plan["rescale_at_once"],
+        PART_COLS=plan["part_cols"], INTERPRETED=interpret,
         MAX_SPINS=1 << 10 if interpret else 1 << 22, TRACE=trace is not None, LEAVE_OUT=leave_out_bits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (plan["n_jobs"],)

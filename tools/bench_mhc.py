@@ -169,9 +169,17 @@ def correctness_suite(device, dry: bool, log) -> list:
               dataclasses.replace(claimed, co_resident=False)),
              # neither claimed nor cooperative: a rescale job that waits too long hands off its blocks
              ("delayed/handoff", delayed, 37 if dry else 64, None, dataclasses.replace(claimed, handoff=True)),
-             # Sinkhorn's rounds on row and column factors of the fixed softmax cells
+             # Sinkhorn's rounds on row and column factors of the fixed softmax cells, and on the
+             # cells; the rescale jobs' parts loaded at once, and in the block loop (whichever the
+             # tuned row does, the other is checked too)
              ("delayed/sinkhorn-factors", delayed, 37 if dry else 64, None,
-              dataclasses.replace(claimed, sinkhorn_factors=True))]
+              dataclasses.replace(claimed, sinkhorn_factors=True)),
+             ("delayed/sinkhorn-cells", delayed, 37 if dry else 64, None,
+              dataclasses.replace(claimed, sinkhorn_factors=False)),
+             ("delayed/rescale-at-once", delayed, 37 if dry else 64, None,
+              dataclasses.replace(claimed, rescale_at_once=True)),
+             ("delayed/rescale-loop", delayed, 37 if dry else 64, None,
+              dataclasses.replace(claimed, rescale_at_once=False))]
     fp32 = dataclasses.replace(delayed, stream_dtype="float32")
     runs += [("delayed fp32", fp32, 37, "split", None)] + ([("delayed fp32", fp32, 3, "tiled", None)] if dry else [])
     odd = dataclasses.replace(delayed, dim=odd_D)
@@ -261,11 +269,11 @@ def run_sweep(T: int, device, log) -> list:
     ref = mm.reference(*args, V41)
     rows = []
     tuned = mm.choose_config(V41, T, device=device)
-    # the tuned row launched with handoff (neither claimed nor cooperative), with Sinkhorn on
-    # factors, and with both, as well
+    # the tuned row with each launch flag flipped, as well (handoff: neither claimed nor
+    # cooperative; Sinkhorn on factors or cells; the rescale jobs' parts at once or in the loop)
+    flags = ("handoff", "sinkhorn_factors", "rescale_at_once")
     configs = [tuned] + [c for c in sweep_configs(T) if c != tuned] + [
-        dataclasses.replace(tuned, handoff=True), dataclasses.replace(tuned, sinkhorn_factors=True),
-        dataclasses.replace(tuned, handoff=True, sinkhorn_factors=True)]
+        dataclasses.replace(tuned, **{flag: not getattr(tuned, flag)}) for flag in flags]
     for cfg in dict.fromkeys(configs):  # (a neighbour may be the tuned row)
         r = {"config": dataclasses.asdict(cfg), "plan": mm._plan(V41, cfg, T)}
         try:

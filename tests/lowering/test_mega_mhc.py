@@ -197,8 +197,9 @@ def test_claimed_jobs_equal_co_resident_jobs(form):
     assert not mm._states["cpu"].sync.any()
 
 
+@pytest.mark.parametrize("at_once", [False, True])  # the rescale jobs' own parts in one block or the loop
 @pytest.mark.parametrize("form", ["delayed", "first_seam", "final_collapse"])
-def test_handoff_jobs_equal_co_resident_jobs_in_every_order(form):
+def test_handoff_jobs_equal_co_resident_jobs_in_every_order(form, at_once):
     # LaunchConfig.handoff: job = program id without a claim or a cooperative launch, and a rescale
     # job that has waited MAX_SPINS hands its blocks to its tile's last stage-A arrival. In program
     # order (the interpreter's) every tile has arrived before its rescale jobs start: nothing is
@@ -208,8 +209,9 @@ def test_handoff_jobs_equal_co_resident_jobs_in_every_order(form):
     spec = make_spec(form, "bfloat16", dim=600)  # two 512-column rescale blocks a tile: two parts
     T = 37
     args = make_inputs(spec, T, seed=68)
-    cfg = LaunchConfig(16, 32, 128, r_splits=2, acc_copies=2)
+    cfg = LaunchConfig(16, 32, 128, r_splits=2, acc_copies=2, rescale_at_once=at_once)
     plan = mm._plan(spec, dataclasses.replace(cfg, handoff=True), T)
+    assert plan["rescale_at_once"] == at_once
     n_a = plan["n_tiles"] * plan["n_splits"]
     assert plan["handoff"] and (plan["n_tiles"], plan["n_splits"], plan["r_splits"]) == (3, 5, 2)
     assert plan["n_jobs"] == n_a + 2 * 3
@@ -239,6 +241,30 @@ def test_handoff_applies_to_the_carried_pre_only_and_job_rotation_needs_it():
     n_jobs = mm._plan(carried, cfg, 37)["n_jobs"]
     with pytest.raises(ValueError, match=f"a value in 0..{n_jobs - 1}"):
         mega_mhc(*args, carried, config=cfg, job_rotation=n_jobs)
+
+
+@pytest.mark.parametrize("form", ["delayed", "first_seam", "final_collapse"])  # the carried pre's forms
+def test_rescale_at_once_equals_the_block_loop(form):
+    # LaunchConfig.rescale_at_once: a rescale job loads its whole part, then sum(c^2), then stores
+    # it, in the block loop's arithmetic: the same bits. D=600 in 512-column blocks: one block a
+    # job, or two (the second mostly past D); D=160 in one 256-column block. 64-token tiles have
+    # 128-column blocks and three a job (no power of two), so the loop stays. The fresh pre keeps
+    # its loop (its jobs wait on the merge's 1/rms).
+    for dim, T, cfg, r_per_job, at_once in ((600, 37, LaunchConfig(16, 32, 128, r_splits=2, acc_copies=2), 1, True),
+                                            (600, 37, LaunchConfig(16, 32, 128, r_splits=1), 2, True),
+                                            (160, 37, LaunchConfig(16, 32, 32, r_splits=3), 1, True),
+                                            (600, 70, LaunchConfig(64, 32, 128, r_splits=2), 3, False)):
+        spec = make_spec(form, "bfloat16", dim=dim)
+        args = make_inputs(spec, T, seed=dim + T)
+        plan = mm._plan(spec, dataclasses.replace(cfg, rescale_at_once=True), T)
+        assert (plan["r_per_job"], plan["rescale_at_once"]) == (r_per_job, at_once)
+        got = mega_mhc(*args, spec, config=dataclasses.replace(cfg, rescale_at_once=True), out=poisoned(spec, T))
+        assert_matches_reference(spec, args, got)
+        assert not mm._states["cpu"].sync.any() and not mm._states["cpu"].acc.any()
+        for name, a, b in zip(OUTPUTS, got, mega_mhc(*args, spec, config=cfg)):
+            assert (a is None and b is None) or torch.equal(a, b), (name, dim, cfg)
+    fresh = make_spec("v4_fresh", "bfloat16", dim=600)
+    assert not mm._plan(fresh, LaunchConfig(16, 32, 128, r_splits=2, rescale_at_once=True), 37)["rescale_at_once"]
 
 
 @pytest.mark.parametrize("form", ["delayed", "first_seam", "v4_fresh"])  # with coefficients: carried, no post, fresh
