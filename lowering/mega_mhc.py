@@ -63,7 +63,8 @@ organised around moving those bytes once:
   collapse in place: u = c * rsqrt(mean(c^2) + eps) * w (reads and writes 2D bytes per token:
   from L2 at small T; at T=4096 much of the parked 42 MB has left L2, and the rescale is the
   launch's last ~10%, with its loads pipelined: `LaunchConfig.rescale_stages`), in
-  [TILE_T, 8192 / TILE_T] blocks.
+  [TILE_T, 8192 / TILE_T] blocks (a rescale job's whole part in one block where it fits,
+  `LaunchConfig.rescale_at_once`: its loads then share one round trip with sum(c^2)'s).
 * "fresh" pre: the collapse needs pre', known only after the whole row, so it is a second sweep
   over X' (re-reading 8D per token: the documented cost of V4's non-delayed form), then the rescale.
 
@@ -1574,12 +1575,12 @@ class LaunchConfig:
                  issue (16 more a round measured +0.39 us at T=64). Within 1e-7 of the reference on
                  the CPU. The merge ends ~0.3 us sooner at T=64 (traces), though the launch gained
                  0-0.07 us there (the rescale jobs end as late): the T=1 and T=64 rows use it
-    rescale_at_once  rescale jobs (carried pre) load their whole part ([tile_t, r_per_job * r_block]
-                 where r_per_job is a power of two and that is at most RESCALE_AT_ONCE_ELEMS
-                 elements; otherwise the block loop)
-                 before the tile's sum(c^2): one round trip where the loop waits for 1/rms before
-                 its first block (T=64: a rescale job's work 1.1 us after its tile's arrivals
-                 against 1.4; 8.80 against 9.02 us, T=512 24.50 against 24.72; stop17_experiments)
+    rescale_at_once  rescale jobs (carried pre) load their whole part, [tile_t, r_per_job * r_block],
+                 before the tile's sum(c^2): one round trip, where the block loop waits for 1/rms
+                 before its first block (T=64: a rescale job's work ends 1.1 us after its tile's
+                 arrivals against 1.4; 8.80 against 9.02 us, T=512 24.50 against 24.72;
+                 stop17_experiments.json). Only where r_per_job is a power of two and the part has
+                 at most RESCALE_AT_ONCE_ELEMS elements (registers); otherwise the block loop
     """
     tile_t: int
     block_d: int
