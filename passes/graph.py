@@ -130,3 +130,15 @@ def frozen_weight(node: fx.Node, rows: int, transposed: bool, what: str) -> fx.N
                       f"{'[cols, %d]' % rows if transposed else '[%d, cols]' % rows}")
     return new_constant(node.graph, node, what.replace(" ", "_"), weight.contiguous())
 
+
+def linear_weight(w_t: fx.Node, rows: int, transposed: bool, what: str) -> tuple[fx.Node, list[fx.Node]] | None:
+    """The weight W [rows, cols] of x @ W^T from the linear's weight operand (linear_operands), and
+    the dtype converts between W and that operand: a frozen constant (frozen_weight), or W read
+    through its transpose (t, or permute(1, 0)). None if the operand is neither."""
+    weight = frozen_weight(w_t, rows, transposed=transposed, what=what)
+    if weight is not None:
+        return weight, []
+    if not is_op(w_t, aten.permute, aten.t) or (is_op(w_t, aten.permute) and list(w_t.args[1]) != [1, 0]):
+        return None
+    return strip(w_t.args[0], layout=False)
+

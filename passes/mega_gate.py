@@ -33,7 +33,7 @@ import torch.fx as fx
 from lowering import mega_gate as gate_kernels
 
 from .base import Candidate, FusionPass, NoMatch
-from .graph import (MKL_LINEAR, aten, arg, dtype, frozen_weight, is_last_dim, is_op, linear_operands, only_users_in,
+from .graph import (MKL_LINEAR, aten, arg, dtype, is_last_dim, is_op, linear_operands, linear_weight, only_users_in,
                     rank, scalar, strip, val)
 from .registry import register
 
@@ -81,13 +81,10 @@ def _match_gemm(logits: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
     if linear is None:
         raise NoMatch("the scores do not come from a GEMM", candidate=False)
     u, w_t, transposed = linear
-    # a frozen weight (Inductor's freezing folds its transpose into a constant)
-    weight = frozen_weight(w_t, val(mm).shape[-1], transposed=transposed, what="gate weight")
-    weight_converts = []
-    if weight is None:
-        if not is_op(w_t, aten.permute, aten.t) or (is_op(w_t, aten.permute) and list(w_t.args[1]) != [1, 0]):
-            raise NoMatch("the GEMM's second operand is not a transposed [experts, hidden] weight")
-        weight, weight_converts = strip(w_t.args[0], layout=False)
+    found = linear_weight(w_t, val(mm).shape[-1], transposed, "gate weight")
+    if found is None:
+        raise NoMatch("the GEMM's second operand is not a transposed [experts, hidden] weight")
+    weight, weight_converts = found
     u_source = u.args[0] if is_op(u, torch.ops.prims.convert_element_type) else u
     nodes = [*skipped, mm, w_t, *weight_converts] + ([u] if u_source is not u else [])
     return u_source, weight, nodes

@@ -46,8 +46,8 @@ from lowering import mega_mhc as mhc_kernels
 
 from .ops import mhc_fake, mhc_unsupported
 from .base import Candidate, FusionPass, NoMatch
-from .graph import (MKL_LINEAR, aten, dtype, frozen_value, frozen_weight, is_convert, is_last_dim, is_op,
-                    linear_operands, new_constant, only_users_in, prims, rank, scalar, strip, val)
+from .graph import (MKL_LINEAR, aten, dtype, frozen_value, is_convert, is_last_dim, is_op, linear_operands,
+                    linear_weight, new_constant, only_users_in, prims, rank, scalar, strip, val)
 from .registry import register
 
 LAYOUT = (aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze, aten.permute,
@@ -217,12 +217,10 @@ def _match_head(split: fx.Node) -> Head:
     if linear is None:
         raise NoMatch("the coefficient mix is not an fn projection (mm)", candidate=False)
     x, fn_t, transposed = linear
-    # Inductor's freezing folds a frozen fn (and its transpose) into a constant
-    fn = frozen_weight(fn_t, sum(sizes), transposed=transposed, what="fn projection weight")
-    if fn is None and is_op(fn_t, aten.permute, aten.t):
-        fn = strip(fn_t.args[0], layout=False)[0]
-    elif fn is None:
+    found = linear_weight(fn_t, sum(sizes), transposed, "fn projection weight")
+    if found is None:
         raise NoMatch("the fn projection's weight is neither fn^T [nD, (2+n)n] nor a frozen constant")
+    fn = found[0]
     nodes = [split, mix, mm, fn_t, *nodes_mm_views]
     if rsqrt is None:  # HF order: the projection reads x * r
         x_view, skipped = strip(x, converts=False)
