@@ -126,9 +126,17 @@ The interpreter upcasts bf16 dot operands (numpy has no bf16 matmul) and rounds 
 nearest even with integer operations (its own cast truncates).
 
 Persistent state and CUDA graphs: the split variant uses, per device, an int32 sync buffer and an
-fp32 accumulator, all zero between launches (the kernel restores that itself), allocated on the
-first split launch on a device (run once eagerly at the largest T, or call `reserve_sync`, before
-capturing a CUDA graph: allocating during a capture raises). Per-call buffers come from
+fp32 accumulator, all zero between launches (the kernel restores that itself), and, for launches
+that run MONOTONIC (co-resident epilogue jobs with the carried pre, the tuned T <= 128 rows), int64
+token-tile counters per (stage-A jobs, rescale jobs) a tile, which only grow: each launch adds the
+same amounts to every tile it covers, so its rescale jobs can tell their own launch's arrivals
+from earlier ones, and no job ends in the launch-wide count that restores a zero state (see the
+kernel's docstring). All are allocated on the first split launch on a device (run once eagerly at
+the largest T, or call `reserve_sync`, before capturing a CUDA graph: allocating during a capture
+raises); `reset_sync` zeroes them all after an aborted launch (the interpreter checks the state
+before each launch and resets it with a warning). On CUDA devices from sm_90 on, the seam is a
+programmatic dependent launch (`LaunchConfig.pdl`): it waits for its predecessor's writes before
+touching memory, so only launch latency overlaps. Per-call buffers come from
 torch.empty (every element read is written first), so under capture they come from the graph's
 pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new inputs). Split
 launches on two streams of one device must not run concurrently (they share the persistent
@@ -333,6 +341,8 @@ ARRIVE_A = tl.constexpr(0)            #   stage-A jobs arrived (low bits; HANDOF
 READY_A = tl.constexpr(1)             #   (fresh) tile published: pre' stored
 ARRIVE_C = tl.constexpr(2)            #   fresh-collapse jobs arrived
 READY_C = tl.constexpr(3)             #   (fresh) 1/rms published
+TILE_ARRIVE = tl.constexpr(0)         # MONOTONIC: a token tile's int64 counters (tiles_ptr): arrivals,
+TILE_RESCALE = tl.constexpr(1)        #   rescale jobs' tickets
 COUNT_MASK = tl.constexpr($COUNT_MASK)  # a sync word's count; HANDOFF: in ARRIVE_A above the count,
 HANDOFF_SHIFT = tl.constexpr($HANDOFF_SHIFT)  # bit HANDOFF_SHIFT + p: the tile's rescale part p handed off
 
@@ -471,16 +481,17 @@ $LOAD_LINES
 
 
 @triton.jit
-def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
+def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr, csq_slot,
              T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
              tile, c_begin, c_end, acc_copy, TILE_T: tl.constexpr, SUB_TILES: tl.constexpr,
              BLOCK_D: tl.constexpr, ACC_COPIES: tl.constexpr, ATOMIC: tl.constexpr,
              PIPELINE_STAGES: tl.constexpr, PRESPLIT: tl.constexpr, LEAVE_OUT: tl.constexpr,
-             INTERPRETED: tl.constexpr):
+             CSQ_SLOT: tl.constexpr, INTERPRETED: tl.constexpr):
     """Stage A for token tile `tile` over chunks [c_begin, c_end) of D: store X' (and the parked,
     unnormalised carried collapse), and add the partial sums into copy `acc_copy` of the tile's
     accumulator block (_acc_block): the (2+n)n projections, sum X'^2 (SUMSQ_COL), sum c^2
-    (CSQ_COL); with atomics when D is split (ATOMIC), else with plain stores.
+    (CSQ_COL; with CSQ_SLOT, this job's own slot `csq_slot` of the tile's sum(c^2) slots instead,
+    see MONOTONIC); with atomics when D is split (ATOMIC), else with plain stores.
 
     Every stream is its own [SUB_T, BLOCK_D] tile (the generator unrolls the n streams), so all
     the arithmetic is elementwise in one register layout. SUB_TILES = 2 (pipelined loop only)
@@ -520,17 +531,22 @@ $SUB_FINISH
 
 
 @triton.jit
-def _add_partials(acc_ptr, tile, acc_copy, rows64, row_ok, acc, sumsq, csq, TILE_T: tl.constexpr,
-                  ACC_COPIES: tl.constexpr, ATOMIC: tl.constexpr):
+def _add_partials(acc_ptr, csq_slot, tile, acc_copy, rows64, row_ok, acc, sumsq, csq, TILE_T: tl.constexpr,
+                  ACC_COPIES: tl.constexpr, ATOMIC: tl.constexpr, CSQ_SLOT: tl.constexpr):
     """Add one sub-tile's partial sums into its tokens of copy `acc_copy` of the tile's accumulator
-    block (_acc_block): [SUB_T, SLOT] of the projections, with sum X'^2 and sum c^2 in their columns."""
+    block (_acc_block): [SUB_T, SLOT] of the projections, with sum X'^2 and sum c^2 in their columns.
+    CSQ_SLOT: sum c^2 is stored into this job's slot `csq_slot` [TILE_T] instead (MONOTONIC)."""
     cols = tl.arange(0, SLOT)[None, :]
     part = tl.where(cols == SUMSQ_COL, sumsq[:, None], tl.where(cols == CSQ_COL, csq[:, None], acc))
     offs = cols * TILE_T + (rows64 - tile * TILE_T)[:, None]  # (token within the tile, column)
     acc_ptr = _in_copy(_acc_block(acc_ptr, tile, TILE_T, ACC_COPIES), acc_copy, TILE_T)
+    if CSQ_SLOT:
+        # plain stores, published by the arrival (a release) like the atomics
+        tl.store(csq_slot + (rows64 - tile * TILE_T), csq, mask=row_ok)
     if ATOMIC:
         # relaxed: the tile's arrival (a release) publishes them
-        tl.atomic_add(acc_ptr + offs, part, mask=row_ok[:, None] & (cols <= CSQ_COL), sem="relaxed")
+        added = CSQ_COL - 1 if CSQ_SLOT else CSQ_COL  # (CSQ_COL is the last column of partial sums)
+        tl.atomic_add(acc_ptr + offs, part, mask=row_ok[:, None] & (cols <= added), sem="relaxed")
     else:
         tl.store(acc_ptr + offs, part, mask=row_ok[:, None])
 
@@ -584,6 +600,24 @@ def _tile_csq(acc_ptr, T, tile, TILE_T: tl.constexpr, ACC_COPIES: tl.constexpr):
     i = tl.arange(0, TILE_T)
     return _column_sum(_tile_column(acc_ptr, tile, CSQ_COL, TILE_T, ACC_COPIES), tile * TILE_T + i < T, TILE_T,
                        ACC_COPIES)
+
+
+@triton.jit
+def _csq_slot(csq_ptr, tile, part, TILE_T: tl.constexpr, CSQ_SLOTS: tl.constexpr):
+    """Stage-A job `part`'s slot [TILE_T] of token tile `tile`'s sum(c^2) slots (MONOTONIC):
+    csq_ptr is [n_tiles, CSQ_SLOTS, TILE_T], written by the launch's stage-A jobs before they
+    arrive, read by its rescale jobs after; every slot read is written first."""
+    return csq_ptr + (tile.to(tl.int64) * CSQ_SLOTS + part) * TILE_T
+
+
+@triton.jit
+def _slot_csq(csq_ptr, T, tile, TILE_T: tl.constexpr, CSQ_SLOTS: tl.constexpr, N_SPLITS: tl.constexpr):
+    """The tile's sum(c^2) per token from its N_SPLITS stage-A jobs' slots (_csq_slot)."""
+    i = tl.arange(0, TILE_T)
+    part = tl.arange(0, CSQ_SLOTS)
+    ok = (part < N_SPLITS)[:, None] & (tile * TILE_T + i < T)[None, :]
+    return tl.reduce(tl.load(_csq_slot(csq_ptr, tile, part[:, None], TILE_T, CSQ_SLOTS) + i[None, :], mask=ok,
+                             other=0.0), 0, _add)
 
 
 @triton.jit
@@ -729,13 +763,14 @@ def _rescaled(collapsed, w, inv_c, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _rescale_at_once(u_ptr, w_ptr, acc_ptr, T, tile, part, failed, TILE_T: tl.constexpr,
-                     PART_COLS: tl.constexpr, ACC_COPIES: tl.constexpr, INTERPRETED: tl.constexpr):
+def _rescale_at_once(u_ptr, w_ptr, acc_ptr, csq_ptr, T, tile, part, failed, TILE_T: tl.constexpr,
+                     PART_COLS: tl.constexpr, ACC_COPIES: tl.constexpr, CSQ_SLOTS: tl.constexpr,
+                     N_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
     """A rescale job's part (its R_PER_JOB blocks of R_BLOCK columns: PART_COLS, a power of two)
     as one [TILE_T, PART_COLS] block (LaunchConfig.rescale_at_once): the parked collapse and the
     norm weight are loaded before the tile's sum(c^2), so the three loads share one round trip
     (_rescale_part loads its first block only once 1/rms is known: two). NaN where `failed` (a
-    corrupted sync state)."""
+    corrupted sync state). sum(c^2) from the accumulator, or (CSQ_SLOTS > 0) the tile's slots."""
     rows = tile * TILE_T + tl.arange(0, TILE_T)
     row_ok = rows < T
     d = part * PART_COLS + tl.arange(0, PART_COLS)
@@ -744,7 +779,11 @@ def _rescale_at_once(u_ptr, w_ptr, acc_ptr, T, tile, part, failed, TILE_T: tl.co
     ptrs = u_ptr + rows.to(tl.int64)[:, None] * D + d[None, :]
     collapsed = tl.load(ptrs, mask=ok, other=0.0)
     w = tl.load(w_ptr + d, mask=d_ok, other=0.0)
-    inv_c = tl.where(failed, float("nan"), _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES)))
+    if CSQ_SLOTS > 0:
+        csq = _slot_csq(csq_ptr, T, tile, TILE_T, CSQ_SLOTS, N_SPLITS)
+    else:
+        csq = _tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES)
+    inv_c = tl.where(failed, float("nan"), _inv_rms(csq))
     tl.store(ptrs, _rescaled(collapsed, w, inv_c, INTERPRETED), mask=ok)
 
 
@@ -778,17 +817,18 @@ def _arrive(counter_ptr):
 
 
 @triton.jit
-def _wait(counter_ptr, target, MAX_SPINS: tl.constexpr):
+def _wait(counter_ptr, target, MAX_SPINS: tl.constexpr, MASK: tl.constexpr):
     """Spin (acquire) until the counter reaches target; True if it never does (corrupted sync
     state). What the releases published is then read with plain loads (by every thread: Triton's
     scalar atomic is one thread's, followed by a CTA barrier, the cooperative-groups grid-sync
     pattern; on sm_90 the acquire also invalidates the SM's L1, CCTL.IVALL). .cg loads, which
     sm_90 issues as strong GPU-scope loads (LDG.E.STRONG.GPU), measured slower on the H200
-    (results/bench_mhc_runs/stop14_experiments.json). _arrive's acquire serves its merge alike."""
-    value = tl.atomic_add(counter_ptr, 0, sem="acquire") & COUNT_MASK
+    (results/bench_mhc_runs/stop14_experiments.json). _arrive's acquire serves its merge alike.
+    MASK: the count's bits of the counter (a sync word's low bits; -1 for a tile counter)."""
+    value = tl.atomic_add(counter_ptr, 0, sem="acquire") & MASK
     spins = 0
     while (value < target) & (spins < MAX_SPINS):
-        value = tl.atomic_add(counter_ptr, 0, sem="acquire") & COUNT_MASK
+        value = tl.atomic_add(counter_ptr, 0, sem="acquire") & MASK
         spins += 1
     return value < target
 
@@ -831,16 +871,16 @@ def _epilogue_job(job, n_a, n_c, n_jobs, N_SPLITS: tl.constexpr, R_SPLITS: tl.co
 
 @triton.jit(do_not_specialize=["T", "n_tiles"])  # one binary for every T
 def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, base_ptr, scale_ptr, w_ptr,
-                    xo_ptr, u_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, ws_ptr, sync_ptr, trace_ptr,
-                    T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre, n_tiles,
+                    xo_ptr, u_ptr, pre_ptr, posto_ptr, combo_ptr, acc_ptr, ws_ptr, sync_ptr, tiles_ptr, csq_ptr,
+                    trace_ptr, T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre, n_tiles,
                     TILE_T: tl.constexpr, SUB_TILES: tl.constexpr, BLOCK_D: tl.constexpr, N_CHUNKS: tl.constexpr,
                     SPLIT_CHUNKS: tl.constexpr, N_SPLITS: tl.constexpr, R_BLOCK: tl.constexpr,
                     R_PER_JOB: tl.constexpr, R_SPLITS: tl.constexpr, PIPELINE_STAGES: tl.constexpr,
                     RESCALE_STAGES: tl.constexpr, ACC_COPIES: tl.constexpr, PRESPLIT: tl.constexpr,
                     CO_RESIDENT: tl.constexpr, HANDOFF: tl.constexpr, JOB_ROTATE: tl.constexpr,
                     SINKHORN_FACTORS: tl.constexpr, RESCALE_AT_ONCE: tl.constexpr, PART_COLS: tl.constexpr,
-                    INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr,
-                    TRACE: tl.constexpr, LEAVE_OUT: tl.constexpr):
+                    CSQ_SLOTS: tl.constexpr, INTERPRETED: tl.constexpr, MAX_SPINS: tl.constexpr,
+                    TRACE: tl.constexpr, LEAVE_OUT: tl.constexpr, PDL: tl.constexpr):
     """Grid (1-D); D is N_CHUNKS chunks of BLOCK_D, a stage-A job takes SPLIT_CHUNKS of them.
 
     tiled        (N_SPLITS == 1)                 n_tiles programs, job = program id
@@ -858,16 +898,34 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
     ws_ptr: 1/rms per token [n_tiles * TILE_T] (epilogue-job mode).
     trace_ptr: [programs, TRACE_EVENTS] int64 when TRACE (else unused): EV_* timestamps per program.
     LEAVE_OUT: 0, or a timing diagnostic's LEAVE_* bits (stage A parts compiled out; wrong outputs).
+    PDL: launched as a programmatic dependent launch (LaunchConfig.pdl).
+    CSQ_SLOTS > 0: MONOTONIC (epilogue jobs, carried pre, every program resident at once, no
+    handoff): nothing is reset at the launch's end. Each token tile's two int64 counters in
+    tiles_ptr only grow: ARRIVE (stage-A arrivals, N_SPLITS a launch) and RESCALE (rescale jobs'
+    tickets, R_SPLITS a launch). A rescale job's ticket gives its launch's number L (ticket //
+    R_SPLITS: every earlier launch took exactly R_SPLITS of them), so it waits for ARRIVE to
+    reach (L + 1) * N_SPLITS, and a stage-A arrival is the tile's last when its ticket is
+    N_SPLITS - 1 mod N_SPLITS. sum(c^2) goes to per-job slots (csq_ptr [n_tiles, CSQ_SLOTS,
+    TILE_T], a launch's own buffer), not into the accumulator, which the merge clears as always.
+    So no job ends in the launch-wide end count's round trip (~0.5 us after a rescale job's
+    stores at T=64); int64 counters cannot wrap (N_SPLITS per launch).
     """
+    if PDL:
+        # Scheduled while the stream's previous kernel may still run: wait until its writes are
+        # visible before touching memory (every input, and the sync state the previous seam
+        # launch left zeroed), then let the next kernel be scheduled in turn. Both before any
+        # access: nothing of this launch overlaps its predecessor but the launch itself.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     _stamp(trace_ptr, EV_START, TRACE)
     if N_SPLITS == 1:
         # tiled: one program per token tile, nothing shared
         tile = tl.program_id(0)
         _note_job(trace_ptr, tile, ROLE_TILED, TRACE)
-        _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
+        _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr, csq_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
                  tile, 0, N_CHUNKS, 0, TILE_T, SUB_TILES, BLOCK_D, ACC_COPIES, False, PIPELINE_STAGES,
-                 PRESPLIT, LEAVE_OUT, INTERPRETED)
+                 PRESPLIT, LEAVE_OUT, False, INTERPRETED)
         _stamp(trace_ptr, EV_WORK, TRACE)
         _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                        combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
@@ -880,10 +938,10 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         tile = job // N_SPLITS
         part = job % N_SPLITS
         c_begin = part * SPLIT_CHUNKS
-        _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
+        _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr, csq_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
                  tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), part % ACC_COPIES, TILE_T, SUB_TILES,
-                 BLOCK_D, ACC_COPIES, True, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
+                 BLOCK_D, ACC_COPIES, True, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, False, INTERPRETED)
         _stamp(trace_ptr, EV_WORK, TRACE)
         arrive_a = sync_ptr + TILE_SYNC + tile * 4 + ARRIVE_A
         ticket = _arrive(arrive_a)
@@ -909,17 +967,23 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         _stamp(trace_ptr, EV_CLAIMED, TRACE)
         inv_ws = ws_ptr
         role, tile, part = _epilogue_job(job, n_a, n_c, n_jobs, N_SPLITS, R_SPLITS)
+        MONOTONIC: tl.constexpr = CSQ_SLOTS > 0
         done = tl.full([], 1, tl.int32)  # this program's part of the end-of-launch count (below)
         if role == ROLE_STAGE_A:
             _note_job(trace_ptr, job, ROLE_STAGE_A, TRACE)
             sync = sync_ptr + TILE_SYNC + tile * 4
             c_begin = part * SPLIT_CHUNKS
             _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
+                     _csq_slot(csq_ptr, tile, part, TILE_T, CSQ_SLOTS),
                      T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
                      tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), part % ACC_COPIES, TILE_T,
-                     SUB_TILES, BLOCK_D, ACC_COPIES, True, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, INTERPRETED)
+                     SUB_TILES, BLOCK_D, ACC_COPIES, True, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, MONOTONIC,
+                     INTERPRETED)
             _stamp(trace_ptr, EV_WORK, TRACE)
-            ticket = _arrive(sync + ARRIVE_A)
+            if MONOTONIC:
+                ticket = _arrive(tiles_ptr + tile * 2 + TILE_ARRIVE) % N_SPLITS
+            else:
+                ticket = _arrive(sync + ARRIVE_A)
             _stamp(trace_ptr, EV_ARRIVED, TRACE)
             if (ticket & COUNT_MASK) == N_SPLITS - 1:
                 # carried pre: nothing waits for this merge (the rescale jobs wait for the tile's
@@ -944,7 +1008,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             # fresh: collapse this slice with pre' (stored by the tile's merge); sum(c^2) by atomics
             _note_job(trace_ptr, job, ROLE_COLLAPSE, TRACE)
             sync = sync_ptr + TILE_SYNC + tile * 4
-            failed = _wait(sync + READY_A, 1, MAX_SPINS)
+            failed = _wait(sync + READY_A, 1, MAX_SPINS, COUNT_MASK)
             _stamp(trace_ptr, EV_READY, TRACE)
             c_begin = part * SPLIT_CHUNKS
             csq = _collapse(x_ptr, xo_ptr, u_ptr, pre_ptr, T, stride_xt, stride_xk, tile, c_begin,
@@ -967,13 +1031,18 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             _note_job(trace_ptr, job, ROLE_RESCALE, TRACE)
             sync = sync_ptr + TILE_SYNC + tile * 4
             if FRESH:
-                failed = _wait(sync + READY_C, 1, MAX_SPINS)
+                failed = _wait(sync + READY_C, 1, MAX_SPINS, COUNT_MASK)
                 _stamp(trace_ptr, EV_READY, TRACE)
                 inv_c = tl.load(inv_ws + tile * TILE_T + tl.arange(0, TILE_T))
             else:
                 # every stage-A job of the tile has arrived (each a release): sum(c^2) is complete,
                 # so the rescale need not wait for the tile's merge (coefficients, Sinkhorn)
-                failed = _wait(sync + ARRIVE_A, N_SPLITS, MAX_SPINS)
+                if MONOTONIC:
+                    tile_ctr = tiles_ptr + tile * 2
+                    launch = tl.atomic_add(tile_ctr + TILE_RESCALE, 1, sem="relaxed") // R_SPLITS
+                    failed = _wait(tile_ctr + TILE_ARRIVE, (launch + 1) * N_SPLITS, MAX_SPINS, -1)
+                else:
+                    failed = _wait(sync + ARRIVE_A, N_SPLITS, MAX_SPINS, COUNT_MASK)
                 if HANDOFF:
                     if failed:
                         # hand this part to the tile's last arrival, unless that has come meanwhile
@@ -983,11 +1052,14 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                         done = tl.where(failed, 0, 1)
                 _stamp(trace_ptr, EV_READY, TRACE)
                 if not RESCALE_AT_ONCE:
-                    inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES))
+                    if MONOTONIC:
+                        inv_c = _inv_rms(_slot_csq(csq_ptr, T, tile, TILE_T, CSQ_SLOTS, N_SPLITS))
+                    else:
+                        inv_c = _inv_rms(_tile_csq(acc_ptr, T, tile, TILE_T, ACC_COPIES))
             if RESCALE_AT_ONCE:  # (carried pre only)
                 if done != 0:  # (HANDOFF: 0 where the part was handed off)
-                    _rescale_at_once(u_ptr, w_ptr, acc_ptr, T, tile, part, failed & (not HANDOFF), TILE_T, PART_COLS,
-                                     ACC_COPIES, INTERPRETED)
+                    _rescale_at_once(u_ptr, w_ptr, acc_ptr, csq_ptr, T, tile, part, failed & (not HANDOFF), TILE_T,
+                                     PART_COLS, ACC_COPIES, CSQ_SLOTS, N_SPLITS, INTERPRETED)
             else:
                 if not HANDOFF:
                     inv_c = tl.where(failed, float("nan"), inv_c)
@@ -1007,7 +1079,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         # round trip. Carried pre: the rescale jobs read sum(c^2), so this reset zeroes it.
         # HANDOFF: a rescale job handed to the last arrival is counted by that program, after it
         # (it reads sum(c^2) too), not by the job's own.
-        if done != 0:
+        if done != 0 and not MONOTONIC:  # (MONOTONIC: nothing to restore)
             tl.debug_barrier()
             if tl.atomic_add(sync_ptr + DONE_COUNTER, done, sem="relaxed") + done == n_jobs - n_tiles:
                 for i in range(0, n_tiles * 4, 1024):
@@ -1121,7 +1193,7 @@ def _project(acc, xs, w, INTERPRETED: tl.constexpr):
 
 _GENERATOR_FINGERPRINT = hashlib.sha1(
     (_TEMPLATE.template + _CHUNK_BODY.template + _SUB_BODY.template + _PROJECT_BF16 + _PROJECT_FP32
-     + "gen-v6").encode()).hexdigest()
+     + "gen-v7").encode()).hexdigest()
 
 
 def _fmt_float(x: float) -> str:
@@ -1259,7 +1331,9 @@ def _factor_rounds(n: int) -> list[str]:
     divides each row by its sum + eps: a_i <- a_i / (a_i (K b)_i + eps), which is 1/a_i <-
     (K b)_i + eps / a_i, one fused multiply-add on the reciprocal kept alongside (ai_i), then one
     reciprocal; (K b)_i is one multiply and n - 1 fused multiply-adds. The columns alike with
-    (K^T a)_j. A half-round is n (n + 1) instructions and n reciprocals, against n (2n + 1) and n
+    (K^T a)_j. (Two chains added, the first from eps ai_i, shorten the dependent chain from 5 to 3
+    operations but take 9 more instructions a round: 57 against 48 on sm_90, and the T=64 merge
+    ended no sooner, 1.9 us after the last arrival against 1.8: stop18_experiments.json, call 4.) A half-round is n (n + 1) instructions and n reciprocals, against n (2n + 1) and n
     for the cells; at the end comb = K a b. The first column normalisation starts b (a = 1)."""
     ks = range(n)
     out = []
@@ -1415,8 +1489,8 @@ def generate_source(spec: MhcSpec) -> str:
 
     def sub_finish(sfx: str) -> list[str]:
         acc = _tree_sum([f"acc_{k}{sfx}" for k in range(2)])
-        return [f"_add_partials(acc_ptr, tile, acc_copy, rows64{sfx}, row_ok{sfx}, {acc}, sumsq{sfx}, csq{sfx}, "
-                "TILE_T, ACC_COPIES, ATOMIC)"]
+        return [f"_add_partials(acc_ptr, csq_slot, tile, acc_copy, rows64{sfx}, row_ok{sfx}, {acc}, sumsq{sfx}, "
+                f"csq{sfx}, TILE_T, ACC_COPIES, ATOMIC, CSQ_SLOT)"]
 
     def widen_lines(sfx: str) -> list[str]:  # the rounded X' in fp32, as every later step reads it
         return [f"xf_{k}{sfx} = _widen(x_{k}{sfx}, INTERPRETED)" for k in streams]
@@ -1581,6 +1655,15 @@ class LaunchConfig:
                  arrivals against 1.4; 8.80 against 9.02 us, T=512 24.50 against 24.72;
                  stop17_experiments.json). Only where r_per_job is a power of two and the part has
                  at most RESCALE_AT_ONCE_ELEMS elements (registers); otherwise the block loop
+    pdl          on devices with programmatic dependent launch (CUDA sm_90+): the seam is launched
+                 as a programmatic dependent of the stream's previous kernel, so its programs are
+                 scheduled while that kernel ends; each waits for the previous kernel's writes
+                 (griddepcontrol.wait) before any memory access, then lets the next kernel launch
+                 early the same way. Only launch latency overlaps, no work. Back to back in graph
+                 replay on the H200: T=64 8.39 / 8.42 against 8.73 / 8.74 us, T=1 5.00 / 4.97
+                 against 5.46 / 5.40, T=512 23.83 / 23.96 against 24.53 / 24.62, T=4096 unchanged;
+                 after a kernel launched without it (a zero fill) only 8.79-8.83 against 8.87-8.90
+                 at T=64 (results/bench_mhc_runs/stop18_experiments.json, calls 1-2)
     """
     tile_t: int
     block_d: int
@@ -1597,6 +1680,7 @@ class LaunchConfig:
     handoff: bool = False
     sinkhorn_factors: bool = False
     rescale_at_once: bool = False
+    pdl: bool = True
 
     def variant(self, dim: int) -> str:
         return "tiled" if self.split_cols >= dim else "split"
@@ -1707,7 +1791,7 @@ def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = 
         cfg = next(c for max_t, c in _CUDA_TABLE if max_t is None or n_tokens <= max_t)
         if cfg.split_cols >= D:  # D too small to split at these sizes: 16-column slices
             cfg = dataclasses.replace(cfg, block_d=16, split_cols=16)
-    bf16_fn = _projects_bf16_pieces(spec)
+    bf16_fn = projects_bf16_pieces(spec)
     if not bf16_fn and cfg.sub_tiles > 1:  # the sub-tiles as tiles of their own (see the table)
         cfg = dataclasses.replace(cfg, tile_t=cfg.tile_t // cfg.sub_tiles, sub_tiles=1)
     # the rescale's pipeline fits in stage A's shared memory only where stage A stages fn's blocks
@@ -1717,7 +1801,31 @@ def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = 
                                rescale_stages=cfg.rescale_stages if bf16_fn else 0)
 
 
-def _projects_bf16_pieces(spec: MhcSpec) -> bool:
+def split_fn(fn: torch.Tensor, spec: MhcSpec) -> torch.Tensor:
+    """fn [(2+n)n, nD] fp32 -> its bf16 pieces [2, slot, nD] (hi rows, then lo rows; the rows past
+    (2+n)n zero), as mega_mhc_split_fn writes them: hi = fn rounded to bf16, lo = (fn - hi) rounded,
+    both to nearest even. For `mega_mhc(fn_pieces=...)` where fn is fixed (frozen weights)."""
+    if not projects_bf16_pieces(spec):
+        raise ValueError(f"split_fn: fn's bf16 pieces are for bf16 streams with coefficients, not the "
+                         f"{spec.stream_dtype} {spec.form()} form")
+    _check("fn", fn, (spec.width(), spec.n * spec.dim), (torch.float32,), fn.device)
+    hi = fn.to(torch.bfloat16)
+    lo = (fn - hi.float()).to(torch.bfloat16)
+    pieces = torch.zeros((2, _slot_width(spec.n), spec.n * spec.dim), dtype=torch.bfloat16, device=fn.device)
+    pieces[0, :spec.width()], pieces[1, :spec.width()] = hi, lo
+    return pieces
+
+
+def _check_fn_pieces(fn_pieces: torch.Tensor, spec: MhcSpec, device) -> None:
+    if not projects_bf16_pieces(spec):
+        raise ValueError(f"mega_mhc: fn_pieces are for bf16 streams with coefficients, not the "
+                         f"{spec.stream_dtype} {spec.form()} form")
+    _check("fn_pieces", fn_pieces, (2, _slot_width(spec.n), spec.n * spec.dim), (torch.bfloat16,), device)
+    if not fn_pieces.is_contiguous():
+        raise ValueError("mega_mhc: fn_pieces must be contiguous (split_fn makes them so)")
+
+
+def projects_bf16_pieces(spec: MhcSpec) -> bool:
     """Stage A projects onto fn's bf16 pieces (bf16 streams with coefficients): the forms where fn
     can be split beforehand (presplit_fn), whose pipeline stages fn's blocks (rescale_stages), and
     where two sub-tiles sharing those blocks fit two programs per SM (sub_tiles; with fp32 streams
@@ -1734,13 +1842,16 @@ def _round_up(x: int, m: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 class _DeviceState:
-    """The split variant's persistent buffers on one device, all zero between launches (the kernel
-    restores that itself): the int32 sync buffer and the fp32 accumulator of partial sums. They only
-    grow; an outgrown buffer is kept alive (`retired`): a captured graph may point at it."""
+    """The split variant's persistent buffers on one device: the int32 sync buffer and the fp32
+    accumulator of partial sums, all zero between launches (the kernel restores that itself), and
+    MONOTONIC launches' int64 token-tile counters, per (n_splits, r_splits): [tiles, 2] that only
+    grow, each tile's by the same amounts every launch (see the kernel). Buffers only grow; an
+    outgrown buffer is kept alive (`retired`): a captured graph may point at it."""
 
     def __init__(self):
         self.sync = None
         self.acc = None
+        self.tiles: dict[tuple[int, int], torch.Tensor] = {}
         self.retired = []
 
 
@@ -1754,8 +1865,9 @@ def _device_key(device: torch.device) -> str:
     return str(device)
 
 
-def _grow(st: _DeviceState, name: str, need: int, minimum: int, dtype, device) -> torch.Tensor:
-    buf = getattr(st, name)
+def _grown(st: _DeviceState, buf: torch.Tensor | None, name: str, need: int, minimum: int, dtype,
+           device) -> torch.Tensor:
+    """`buf`, or a zeroed buffer of at least `need` elements where it is smaller (or None)."""
     if buf is None or buf.numel() < need:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -1764,8 +1876,29 @@ def _grow(st: _DeviceState, name: str, need: int, minimum: int, dtype, device) -
         if buf is not None:
             st.retired.append(buf)
         buf = torch.zeros(max(need, minimum), dtype=dtype, device=device)
-        setattr(st, name, buf)
     return buf
+
+
+def _grow(st: _DeviceState, name: str, need: int, minimum: int, dtype, device) -> torch.Tensor:
+    setattr(st, name, _grown(st, getattr(st, name), name, need, minimum, dtype, device))
+    return getattr(st, name)
+
+
+def _counters_consistent(counters: torch.Tensor, n_splits: int, r_splits: int) -> bool:
+    """Whether every token tile's counters are whole launches: arrivals / n_splits equal to rescale
+    tickets / r_splits (what every completed launch leaves)."""
+    arrive, rescale = counters.view(-1, 2).unbind(1)
+    return bool((arrive * r_splits == rescale * n_splits).all())
+
+
+def _tile_counters(device: torch.device, n_splits: int, r_splits: int, n_tiles: int) -> torch.Tensor:
+    """A MONOTONIC launch's int64 token-tile counters (_DeviceState.tiles)."""
+    with _state_lock:
+        st = _states.setdefault(_device_key(device), _DeviceState())
+        key = (n_splits, r_splits)
+        st.tiles[key] = _grown(st, st.tiles.get(key), "token-tile counter", 2 * n_tiles, 2 * 1024, torch.int64,
+                               device)
+        return st.tiles[key]
 
 
 def _split_buffers(device: torch.device, n_tiles: int, acc_elems: int):
@@ -1786,13 +1919,16 @@ def reserve_sync(spec: MhcSpec, max_tokens: int, device: torch.device | str = "c
     sizes = [max_tokens] + [t for t, _ in _CUDA_TABLE if t is not None and t < max_tokens]
     plans = [_plan(spec, choose_config(spec, t, device=device, variant="split"), t) for t in sizes]
     _split_buffers(device, max(p["n_tiles"] for p in plans), max(p["acc_elems"] for p in plans))
+    for p in plans:  # (whether a launch runs MONOTONIC is known only at launch: reserved alike)
+        if p["r_splits"] and spec.pre == "carried":
+            _tile_counters(device, p["n_splits"], p["r_splits"], p["n_tiles"])
 
 
 def reset_sync(device: torch.device | str = "cuda") -> None:
     """Zero the persistent state again (only needed after a launch was aborted mid-way)."""
     st = _states.get(_device_key(torch.device(device)))
     if st is not None:
-        for buf in (st.sync, st.acc):
+        for buf in (st.sync, st.acc, *st.tiles.values()):
             if buf is not None:
                 buf.zero_()
 
@@ -1885,7 +2021,7 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
         raise ValueError(f"mega_mhc: inconsistent launch config {cfg}: sub_tiles must be 1..{MAX_SUB_TILES}, "
                          "with tile_t / sub_tiles >= 16 (the projection dot's M), and sub_tiles > 1 needs "
                          "pipeline_stages >= 2")
-    if cfg.presplit_fn and not _projects_bf16_pieces(spec):
+    if cfg.presplit_fn and not projects_bf16_pieces(spec):
         raise ValueError(f"mega_mhc: presplit_fn needs bf16 streams and coefficients (fn), not the "
                          f"{spec.stream_dtype} {spec.form()} form: {cfg}")
     n_tiles = -(-T // cfg.tile_t)
@@ -1918,13 +2054,17 @@ def _plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
 
 
 def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec, *,
-             variant: str | None = None, config: LaunchConfig | None = None, out=None,
-             trace: torch.Tensor | None = None, leave_out: tuple[str, ...] = (), job_rotation: int = 0):
+             fn_pieces: torch.Tensor | None = None, variant: str | None = None, config: LaunchConfig | None = None,
+             out=None, trace: torch.Tensor | None = None, leave_out: tuple[str, ...] = (), job_rotation: int = 0):
     """(X' or None, u, pre' or None, post' or None, comb' or None) of the seam, in one launch.
 
     streams [T, n, D] (stream dtype), y [T, D] (stream dtype or fp32), post [T, n], comb [T, n, n],
     carried_pre [T, n], fn [(2+n)n, nD], base [(2+n)n], scale [3], norm_weight [D] (all fp32).
-    Arguments the spec does not use may be None (and are ignored). `variant` forces "split" or
+    Arguments the spec does not use may be None (and are ignored). `fn_pieces` (bf16 streams with
+    coefficients): `split_fn(fn, spec)`, made once where fn does not change (frozen weights: the
+    pass does it at compile time); stage A then loads them instead of splitting fn in every token
+    tile (presplit_fn without the split launch). They must be fn's: nothing checks that on the GPU.
+    `variant` forces "split" or
     "tiled" (default: chosen from T); `config` overrides the tiling (benchmark sweeps). `out`
     optionally supplies the five output tensors (None where the spec has no such output; tests and
     benchmarks poison them to prove every element is written). `trace` (CUDA only): an int64
@@ -1937,6 +2077,8 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     Inputs are never modified.
     """
     validate(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)
+    if fn_pieces is not None:
+        _check_fn_pieces(fn_pieces, spec, streams.device)
     leave_out_bits = _leave_out_bits(leave_out)
     n, D = spec.n, spec.dim
     T, device = streams.shape[0], streams.device
@@ -1983,24 +2125,30 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         sync = ws = acc  # unused
     x_stride = (streams.stride(0), streams.stride(1))
     dummy = streams  # any tensor: pointers the spec never dereferences
-    fn_pieces = dummy
-    if cfg.presplit_fn:
+    if fn_pieces is not None:  # split beforehand: stage A loads the pieces (PRESPLIT), nothing to split here
+        cfg = dataclasses.replace(cfg, presplit_fn=True)
+    elif cfg.presplit_fn:
         fn_pieces = torch.empty((2, _slot_width(n), n * D), dtype=torch.bfloat16, device=device)
         split = load(spec, interpret=interpret, name=SPLIT_FN_KERNEL)
         split[(-(-n * D // SPLIT_FN_BLOCK), spec.width())](fn, fn_pieces, BLOCK=SPLIT_FN_BLOCK,
                                                            INTERPRETED=interpret, num_warps=4)
+    else:
+        fn_pieces = dummy
     kernel = load(spec, interpret=interpret)
-    args = (
-        streams, y if y is not None else dummy, post if post is not None else dummy,
-        comb if comb is not None else dummy, carried_pre if carried_pre is not None else dummy,
-        fn if spec.has_coefficients else dummy, fn_pieces, base if spec.has_coefficients else dummy,
-        scale if spec.has_coefficients else dummy, norm_weight,
-        x_out if x_out is not None else u, u,
-        pre_out if pre_out is not None else acc, post_out if post_out is not None else acc,
-        comb_out if comb_out is not None else acc, acc, ws, sync, trace if trace is not None else acc,
-        T, x_stride[0], x_stride[1], y.stride(0) if y is not None else 0,
-        post.stride(0) if post is not None else 0, comb.stride(0) if comb is not None else 0,
-        carried_pre.stride(0) if carried_pre is not None else 0, n_tiles)
+
+    def launch_args(tiles, csq):  # tiles, csq: MONOTONIC's buffers (otherwise any tensor)
+        return (
+            streams, y if y is not None else dummy, post if post is not None else dummy,
+            comb if comb is not None else dummy, carried_pre if carried_pre is not None else dummy,
+            fn if spec.has_coefficients else dummy, fn_pieces, base if spec.has_coefficients else dummy,
+            scale if spec.has_coefficients else dummy, norm_weight,
+            x_out if x_out is not None else u, u,
+            pre_out if pre_out is not None else acc, post_out if post_out is not None else acc,
+            comb_out if comb_out is not None else acc, acc, ws, sync, tiles, csq, trace if trace is not None else acc,
+            T, x_stride[0], x_stride[1], y.stride(0) if y is not None else 0,
+            post.stride(0) if post is not None else 0, comb.stride(0) if comb is not None else 0,
+            carried_pre.stride(0) if carried_pre is not None else 0, n_tiles)
+    args = launch_args(acc, acc)
     options = dict(
         TILE_T=cfg.tile_t, SUB_TILES=cfg.sub_tiles, BLOCK_D=cfg.block_d, N_CHUNKS=plan["n_chunks"],
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
@@ -2008,16 +2156,28 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         RESCALE_STAGES=cfg.rescale_stages, ACC_COPIES=plan["acc_copies"], PRESPLIT=cfg.presplit_fn,
         CO_RESIDENT=False, HANDOFF=plan["handoff"], JOB_ROTATE=job_rotation,
         SINKHORN_FACTORS=cfg.sinkhorn_factors, RESCALE_AT_ONCE=plan["rescale_at_once"],
-        PART_COLS=plan["part_cols"], INTERPRETED=interpret,
+        PART_COLS=plan["part_cols"], CSQ_SLOTS=0, INTERPRETED=interpret,
         MAX_SPINS=1 << 10 if interpret else 1 << 22, TRACE=trace is not None, LEAVE_OUT=leave_out_bits,
+        **_pdl_options(cfg, device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (plan["n_jobs"],)
     if cfg.co_resident and plan["r_splits"] > 0 and not plan["handoff"]:
         # the interpreter runs programs one at a time in program-id order, the order jobs are
         # claimed in, so there job = program id holds as it is
         co_resident = dict(options, CO_RESIDENT=True, **({} if interpret else {"launch_cooperative_grid": True}))
-        if interpret or _fits_at_once(kernel, grid, args, co_resident, device):
-            options = co_resident
+        co_args = args
+        if spec.pre == "carried":  # MONOTONIC (see the kernel)
+            slots = _next_pow2(n_splits)
+            co_resident["CSQ_SLOTS"] = slots
+            counters = _tile_counters(device, n_splits, plan["r_splits"], n_tiles)
+            if interpret and not _counters_consistent(counters, n_splits, plan["r_splits"]):
+                warnings.warn("mega_mhc: token-tile counters were left inconsistent by an aborted launch; "
+                              "resetting the persistent state")
+                reset_sync(device)
+            co_args = launch_args(counters, torch.empty(n_tiles * slots * cfg.tile_t, dtype=torch.float32,
+                                                        device=device))
+        if interpret or _fits_at_once(kernel, grid, co_args, co_resident, device):
+            options, args = co_resident, co_args
     kernel[grid](*args, **options)
     return tuple(out)
 
@@ -2046,6 +2206,13 @@ def _fits_at_once(kernel, grid, args, options, device) -> bool:
     build._init_handles()  # loads the binary, which is what reports its registers
     return grid[0] <= occupancy.resident_programs(build.n_regs, build.metadata.shared, build.metadata.num_warps,
                                                   device)
+
+
+def _pdl_options(cfg: LaunchConfig, device: torch.device) -> dict:
+    """The kernel's PDL constexpr and Triton's launch option for it: on CUDA devices of compute
+    capability 9.0 and up (Hopper's griddepcontrol), where the config asks for it."""
+    pdl = cfg.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 def _leave_out_bits(parts) -> int:

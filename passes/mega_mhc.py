@@ -427,12 +427,16 @@ def _match_collapse(stream: fx.Node):
     return None
 
 
+def _kernel_spec(candidate: Candidate) -> mhc_kernels.MhcSpec:
+    return mhc_kernels.MhcSpec(**{k: v for k, v in candidate.spec.items() if k != "left_unfused"})
+
+
 def _op_args(candidate: Candidate) -> tuple:
     """megafuse::mega_mhc's arguments for a candidate (graph nodes and the spec's scalars)."""
     s, i = candidate.spec, candidate.inputs
     return (i["streams"], i["y"], i["post"], i["comb"], i["carried_pre"], i["fn"], i["base"], i["scale"],
             i["norm_weight"], s["sinkhorn_iters"], s["hc_eps"], s["stat_eps"], s["norm_eps"], s["has_post"],
-            s["has_coefficients"], s["pre"])
+            s["has_coefficients"], s["pre"], i.get("fn_pieces"))
 
 
 @register
@@ -551,8 +555,7 @@ class MegaMhcPass(FusionPass):
                          inputs=inputs, outputs=outputs, insert_before=graph_nodes[last_input + 1])
 
     def check(self, candidate: Candidate) -> str | None:
-        spec = {k: v for k, v in candidate.spec.items() if k != "left_unfused"}
-        reason = mhc_kernels.unsupported_reason(mhc_kernels.MhcSpec(**spec))
+        reason = mhc_kernels.unsupported_reason(_kernel_spec(candidate))
         if reason is None:
             # The launch's own input checks, on the fake tensors. E.g. a bf16 model's last post: when
             # only the final collapse reads X', Inductor drops X''s rounding to bf16 (it removes
@@ -562,6 +565,13 @@ class MegaMhcPass(FusionPass):
 
     def rewrite(self, graph: fx.Graph, candidate: Candidate) -> fx.Node:
         outs = candidate.outputs
+        fn = frozen_value(candidate.inputs["fn"])
+        spec = _kernel_spec(candidate)
+        if fn is not None and mhc_kernels.projects_bf16_pieces(spec):
+            # a frozen fn does not change: its bf16 pieces are made here, once, so that the kernel
+            # loads them instead of splitting fn in every token tile (LaunchConfig.presplit_fn)
+            candidate.inputs["fn_pieces"] = new_constant(graph, candidate.inputs["fn"], "fn_pieces",
+                                                         mhc_kernels.split_fn(fn, spec))
         args = _op_args(candidate)
         with graph.inserting_before(candidate.insert_before):
             fused = graph.call_function(torch.ops.megafuse.mega_mhc.default, args)

@@ -82,19 +82,19 @@ def _flat(t, keep):
 
 
 def _run_mhc(impl, streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps,
-             stat_eps, norm_eps, has_post, has_coefficients, pre_mode):
+             stat_eps, norm_eps, has_post, has_coefficients, pre_mode, **kwargs):
     """Flatten the leading dims to tokens, run `impl`, restore them; empty tensors for absent outputs."""
     lead, n, dim = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
     spec = mhc_spec(streams, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode)
     out = impl(_flat(streams, 2), _flat(y, 1), _flat(post, 1), _flat(comb, 2), _flat(carried_pre, 1),
-               fn, base, scale, norm_weight, spec)
+               fn, base, scale, norm_weight, spec, **kwargs)
     shapes = ((n, dim), (dim,), (n,), (n,), (n, n))
     # a distinct empty tensor per absent output: custom-op returns may not alias each other
     return tuple(streams.new_empty(0) if t is None else t.reshape(*lead, *shape) for t, shape in zip(out, shapes))
 
 
 def mhc_unsupported(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps,
-                    stat_eps, norm_eps, has_post, has_coefficients, pre_mode) -> str | None:
+                    stat_eps, norm_eps, has_post, has_coefficients, pre_mode, fn_pieces=None) -> str | None:
     """Why the kernel launch would refuse these inputs (fake tensors will do), or None."""
     spec = mhc_spec(streams, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode)
     try:
@@ -109,9 +109,12 @@ def mhc_unsupported(streams, y, post, comb, carried_pre, fn, base, scale, norm_w
 def mega_mhc(streams: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor | None, comb: torch.Tensor | None,
              carried_pre: torch.Tensor | None, fn: torch.Tensor | None, base: torch.Tensor | None,
              scale: torch.Tensor | None, norm_weight: torch.Tensor, sinkhorn_iters: int, hc_eps: float,
-             stat_eps: float, norm_eps: float, has_post: bool, has_coefficients: bool,
-             pre_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mHC seam (post + coefficients + pre + RMSNorm): the torch reference."""
+             stat_eps: float, norm_eps: float, has_post: bool, has_coefficients: bool, pre_mode: str,
+             fn_pieces: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
+    """mHC seam (post + coefficients + pre + RMSNorm): the torch reference. fn_pieces: fn's bf16
+    pieces (lowering.mega_mhc.split_fn), which the kernel loads instead of splitting fn, where the
+    pass made them from a frozen fn; the reference reads fn."""
     return _run_mhc(mhc_kernels.reference, streams, y, post, comb, carried_pre, fn, base, scale, norm_weight,
                     sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode)
 
@@ -121,13 +124,15 @@ def mega_mhc_kernel(streams: torch.Tensor, y: torch.Tensor | None, post: torch.T
                     comb: torch.Tensor | None, carried_pre: torch.Tensor | None, fn: torch.Tensor | None,
                     base: torch.Tensor | None, scale: torch.Tensor | None, norm_weight: torch.Tensor,
                     sinkhorn_iters: int, hc_eps: float, stat_eps: float, norm_eps: float, has_post: bool,
-                    has_coefficients: bool, pre_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    has_coefficients: bool, pre_mode: str, fn_pieces: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _run_mhc(mhc_kernels.mega_mhc, streams, y, post, comb, carried_pre, fn, base, scale, norm_weight,
-                    sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode)
+                    sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode,
+                    fn_pieces=fn_pieces)
 
 
 def mhc_fake(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps, stat_eps,
-             norm_eps, has_post, has_coefficients, pre_mode):
+             norm_eps, has_post, has_coefficients, pre_mode, fn_pieces=None):
     lead, n, dim = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
     f32 = dict(dtype=torch.float32)
     return (streams.new_empty(*lead, n, dim) if has_post else streams.new_empty(0),

@@ -4,6 +4,8 @@ stage runner that keeps the results JSON current after every stage."""
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
 import traceback
 
@@ -15,6 +17,13 @@ def require_cuda(parser, dry_run: bool) -> None:
     if not dry_run and not torch.cuda.is_available():
         parser.error("this benchmark times CUDA launches and this machine has no CUDA device; "
                      "--dry-run runs its correctness part on CPU through the Triton interpreter")
+
+
+def default_out(name: str, dry_run: bool) -> str:
+    """Where a benchmark writes its JSON (and log) when --out is not given: results/<name>.json for
+    a GPU run; a dry run (CPU, toy sizes, no timings) writes <temp dir>/<name>_dry_run.json, so it
+    never replaces the committed H200 results (stop 17's dry run once did)."""
+    return os.path.join(tempfile.gettempdir(), f"{name}_dry_run.json") if dry_run else f"results/{name}.json"
 
 
 def time_graph_us(fn, rep: int = 60) -> float:

@@ -18,7 +18,8 @@ Also: CUDA correctness of a few other specs (each scoring function, bf16, mixed 
 non-power-of-two E, D not a multiple of the tile, both variants), CUDA-graph capture and replay
 with new inputs, exact ties, and that the persistent sync state is all-zero afterwards.
 `--sweep` times a set of launch configurations per T (the data behind `choose_config`).
-`--dry-run` runs the same code on CPU through the Triton interpreter at toy sizes (no timings).
+`--dry-run` runs the same code on CPU through the Triton interpreter at toy sizes (no timings; its JSON
+goes to a temp file unless --out names one: results/ holds H200 runs).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tools.bench_common import Stages, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
+from tools.bench_common import Stages, default_out, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
 from lowering import mega_gate as mg
 from lowering.mega_gate import GateSpec, LaunchConfig
 from model.moe import route, score
@@ -324,13 +325,14 @@ def sync_state_clean() -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results/bench_gate.json")
+    ap.add_argument("--out", help="the results JSON (default results/bench_gate.json; --dry-run: a temp file)")
     ap.add_argument("--sweep", action="store_true", help="also time a set of launch configs per T")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, toy sizes, no timings")
     ap.add_argument("--check-only", action="store_true", help="CUDA correctness, ties, graph replay; no timings")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     args = ap.parse_args(argv)
     require_cuda(ap, args.dry_run)
+    args.out = args.out or default_out("bench_gate", args.dry_run)
     tokens = [int(t) for t in args.tokens.split(",")]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     log_path = os.path.splitext(args.out)[0] + ".log"

@@ -22,11 +22,16 @@ RMSNorm), 20 Sinkhorn iterations, eps 1e-6 / 1e-20; T in {1, 64, 512, 4096}. In 
    (b) the same chain as plain torch (model.mhc + rms_normalize) under `torch.compile` (default
    mode), (c) eager; plain `do_bench` of the fused kernel (eager launches); the fused kernel in
    graph replay with L2 flushed before every call (fn then comes from HBM, as in a real model);
+   with fn's bf16 pieces given (`split_fn` once: what the pass does for frozen weights); without
+   programmatic dependent launch (`LaunchConfig.pdl=False`); and after a small kernel launched
+   without it (a 1 MB fill), whose end the seam's launch cannot overlap (back to back, each seam
+   launch overlaps the previous one's end: PDL);
 4. roofline floor = bytes / 4.3 TB/s with bytes = 20*D*T (bf16 X, y in; X', u out) + fn's bytes;
    achieved GB/s; ratios; the issue's targets (>= 8x vs compile and <= 2x max(floor, 4 us) for
    T <= 512; <= 1.6x floor at T = 4096).
 
-`--dry-run` runs the correctness part on CPU through the Triton interpreter at toy sizes.
+`--dry-run` runs the correctness part on CPU through the Triton interpreter at toy sizes (its JSON goes
+to a temp file unless --out names one: results/ holds H200 runs).
 `--leave-out` replaces steps 2-4 with a timing diagnostic: per T, the tuned launch as it is and with
 each part of stage A compiled out in turn (`mega_mhc(leave_out=...)`: fn's loads, the projection
 dots, the X' stores, the parked collapse's store), each timed in graph replay and traced; what a
@@ -45,7 +50,7 @@ import time
 import torch
 import triton
 
-from tools.bench_common import Stages, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
+from tools.bench_common import Stages, default_out, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
 from tools.common import median
 from lowering import mega_mhc as mm
 from lowering.mega_mhc import LaunchConfig, MhcSpec
@@ -117,10 +122,11 @@ def compare(spec: MhcSpec, got, ref) -> dict:
     return r
 
 
-def check_one(spec: MhcSpec, T: int, device, seed: int, *, variant=None, config=None) -> dict:
+def check_one(spec: MhcSpec, T: int, device, seed: int, *, variant=None, config=None, pieces=False) -> dict:
     args = make_inputs(spec, T, device, seed)
     out = poisoned_outputs(spec, T, device)
-    got = mm.mega_mhc(*args, spec, variant=variant, config=config, out=out)
+    kw = {"fn_pieces": mm.split_fn(args[5], spec)} if pieces else {}
+    got = mm.mega_mhc(*args, spec, variant=variant, config=config, out=out, **kw)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return compare(spec, got, mm.reference(*args, spec))
@@ -179,7 +185,12 @@ def correctness_suite(device, dry: bool, log) -> list:
              ("delayed/rescale-at-once", delayed, 37 if dry else 64, None,
               dataclasses.replace(claimed, rescale_at_once=True)),
              ("delayed/rescale-loop", delayed, 37 if dry else 64, None,
-              dataclasses.replace(claimed, rescale_at_once=False))]
+              dataclasses.replace(claimed, rescale_at_once=False)),
+             # co-resident with the carried pre (MONOTONIC tile counters) and fn's pieces given
+             # (split once, as for frozen weights); without programmatic dependent launch
+             ("delayed/given-fn-pieces", delayed, 37 if dry else 64, None, None),
+             ("delayed/no-pdl", delayed, 37 if dry else 64, None, dataclasses.replace(claimed, co_resident=True,
+                                                                                       pdl=False))]
     fp32 = dataclasses.replace(delayed, stream_dtype="float32")
     runs += [("delayed fp32", fp32, 37, "split", None)] + ([("delayed fp32", fp32, 3, "tiled", None)] if dry else [])
     odd = dataclasses.replace(delayed, dim=odd_D)
@@ -188,7 +199,8 @@ def correctness_suite(device, dry: bool, log) -> list:
     for i, (name, spec, T, variant, cfg) in enumerate(runs):
         t0 = time.time()
         try:
-            r = check_one(spec, T, device, seed=100 + i, variant=variant, config=cfg)
+            r = check_one(spec, T, device, seed=100 + i, variant=variant, config=cfg,
+                          pieces=name.endswith("given-fn-pieces"))
         except Exception as e:
             r = {"ok": False, "error": repr(e)[:800]}
         used = cfg or mm.choose_config(spec, T, device=device, variant=variant)
@@ -404,12 +416,23 @@ def bench_T(T: int, device, cfg: LaunchConfig, log) -> dict:
     r["check"] = compare(V41, got, mm.reference(*args, V41))
     log(f"  T={T}: check {r['check']}")
     fused = lambda: mm.mega_mhc(*args, V41, config=cfg)
+    pieces = mm.split_fn(args[5], V41)  # fn's bf16 pieces made once, as the pass does for frozen weights
+    got = mm.mega_mhc(*args, V41, config=cfg, fn_pieces=pieces, out=poisoned_outputs(V41, T, device))
+    torch.cuda.synchronize()
+    r["check_frozen"] = compare(V41, got, mm.reference(*args, V41))
+    frozen = lambda: mm.mega_mhc(*args, V41, config=cfg, fn_pieces=pieces)
+    no_pdl = dataclasses.replace(cfg, pdl=False)
     chain = lambda *a: mm.reference(*a, V41)  # the unfused chain: model.mhc + rms_normalize
     compiled = torch.compile(chain, dynamic=False)
     t0 = time.time()
     compiled(*args)  # compile outside the timed region
     r["torch_compile_s"] = round(time.time() - t0, 1)
     r["fused_graph_us"] = time_graph_us(fused)
+    # frozen weights (fn's pieces given); without PDL; after a kernel launched without PDL (a 1 MB
+    # fill, L2 kept warm), which does not let the seam's launch overlap its end
+    r["fused_frozen_graph_us"] = time_graph_us(frozen)
+    r["fused_no_pdl_graph_us"] = time_graph_us(lambda: mm.mega_mhc(*args, V41, config=no_pdl))
+    r["fused_after_plain_kernel_us"] = time_cold_l2_us(fused, n=30, flush_mb=1, reps=9)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(100):  # no sync: at small T the GPU keeps up, so this is the host's cost per call
@@ -434,6 +457,9 @@ def bench_T(T: int, device, cfg: LaunchConfig, log) -> dict:
                         "<=2x max(floor,4us)": r["x_of_practical_floor"] <= 2.0}
     else:
         r["targets"] = {"<=1.6x floor": r["x_of_floor"] <= 1.6}
+    log(f"  T={T}: fused {r['fused_graph_us']:.2f} us (frozen fn {r['fused_frozen_graph_us']:.2f}, no PDL "
+        f"{r['fused_no_pdl_graph_us']:.2f}, after a plain kernel {r['fused_after_plain_kernel_us']:.2f}; "
+        f"check frozen {'ok' if r['check_frozen']['ok'] else 'FAIL'})")
     log(f"  T={T}: fused {r['fused_graph_us']:.2f} us (cold L2 {r['fused_graph_cold_l2_us']:.2f}, eager launch "
         f"{r['fused_eager_launch_us']:.2f}), compile {r['compile_graph_us']:.2f}, eager {r['eager_graph_us']:.2f}, "
         f"floor {floor:.2f}")
@@ -444,7 +470,7 @@ def bench_T(T: int, device, cfg: LaunchConfig, log) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results/bench_mhc.json")
+    ap.add_argument("--out", help="the results JSON (default results/bench_mhc.json; --dry-run: a temp file)")
     ap.add_argument("--sweep", action="store_true", help="time launch configs per T; bench the fastest")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, toy sizes, correctness only")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
@@ -458,6 +484,7 @@ def main(argv=None) -> int:
     if args.leave_out and (args.dry_run or args.sweep):
         ap.error("--leave-out times the tuned launch on CUDA: not with --dry-run or --sweep")
     require_cuda(ap, args.dry_run)
+    args.out = args.out or default_out("bench_mhc", args.dry_run)
     tokens = [int(t) for t in args.tokens.split(",")]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     log_file = open(os.path.splitext(args.out)[0] + ".log", "w")
@@ -526,13 +553,15 @@ def main(argv=None) -> int:
     log(f"{res['device']}  torch {res['torch']}  triton {res['triton']}")
     log("Mega-mHC delayed seam (D=5120, n=4, bf16 streams), CUDA-graph medians in us; floor = bytes / 4.3 TB/s")
     log(f"{'T':>5} {'fused':>8} {'compile':>8} {'eager':>8} {'floor':>7} {'xCompile':>8} {'xEager':>7} "
-        f"{'/max(fl,4)':>10} {'/floor':>7} {'GB/s':>6} {'coldL2':>7} {'eagerLaunch':>11}  check  targets")
+        f"{'/max(fl,4)':>10} {'/floor':>7} {'GB/s':>6} {'coldL2':>7} {'eagerLaunch':>11} {'frozenFn':>8} "
+        f"{'noPDL':>7} {'afterPlain':>10}  check  targets")
     for r in res["results"]:
         tgt = " ".join(f"{k}:{'HIT' if v else 'MISS'}" for k, v in r["targets"].items())
         log(f"{r['T']:>5} {r['fused_graph_us']:8.2f} {r['compile_graph_us']:8.2f} {r['eager_graph_us']:8.2f} "
             f"{r['floor_us']:7.2f} {r['speedup_vs_compile']:8.2f} {r['speedup_vs_eager']:7.1f} "
             f"{r['x_of_practical_floor']:10.2f} {r['x_of_floor']:7.2f} {r['achieved_gbps']:6.0f} "
-            f"{r['fused_graph_cold_l2_us']:7.2f} {r['fused_eager_launch_us']:11.2f}  "
+            f"{r['fused_graph_cold_l2_us']:7.2f} {r['fused_eager_launch_us']:11.2f} {r['fused_frozen_graph_us']:8.2f} "
+            f"{r['fused_no_pdl_graph_us']:7.2f} {r['fused_after_plain_kernel_us']:10.2f}  "
             f"{'ok' if r['check']['ok'] else 'BAD':5s}  {tgt}")
     for r in res["results"]:
         log(f"  T={r['T']}: config {r['config']}")

@@ -332,6 +332,84 @@ def test_split_launches_leave_the_persistent_state_zero():
     assert not st.sync.any() and not st.acc.any()
 
 
+def tile_counters(n_splits, r_splits, n_tiles):
+    """A copy of the MONOTONIC token-tile counters (arrivals, rescale tickets) of the first tiles."""
+    state = mm._states.get("cpu")
+    ctr = state.tiles.get((n_splits, r_splits)) if state is not None else None
+    return torch.zeros(n_tiles, 2, dtype=torch.int64) if ctr is None else ctr[:2 * n_tiles].view(-1, 2).clone()
+
+
+def test_monotonic_launches_add_one_launch_to_each_tile_and_reset_nothing():
+    # Co-resident epilogue jobs with the carried pre run MONOTONIC: a token tile's counters only
+    # grow, by N_SPLITS arrivals and R_SPLITS rescale tickets a launch that covers the tile, whatever
+    # ran in between (other T, other carried forms and dtypes with the same split), and claimed,
+    # hand-off and fresh launches leave them alone (they use the zeroed sync words). Every output
+    # equals the reference; the sync words and the accumulator stay zero.
+    cfg = LaunchConfig(16, 32, 128, r_splits=2, acc_copies=2)
+    carried = make_spec("delayed", "bfloat16", dim=600)  # 5 slices and two 512-column rescale parts a tile
+    plan = mm._plan(carried, cfg, 37)
+    assert (plan["n_tiles"], plan["n_splits"], plan["r_splits"]) == (3, 5, 2) and not plan["handoff"]
+    before = tile_counters(5, 2, 3)
+    expected = before.clone()
+    for i, (spec, T) in enumerate([(carried, 37), (carried, 5), (make_spec("first_seam", "bfloat16", dim=600), 37),
+                                   (make_spec("final_collapse", "float32", dim=600), 20), (carried, 37)]):
+        run_case(spec, T, cfg, seed=80 + i)
+        expected[:-(-T // 16)] += torch.tensor([5, 2])
+        assert torch.equal(tile_counters(5, 2, 3), expected), (spec.form(), T)
+    for spec, how in ((carried, dataclasses.replace(cfg, co_resident=False)),
+                      (carried, dataclasses.replace(cfg, handoff=True)),
+                      (make_spec("v4_fresh", "bfloat16", dim=600), cfg)):
+        run_case(spec, 37, how, seed=90)
+        assert torch.equal(tile_counters(5, 2, 3), expected), (spec.form(), how)
+    st = mm._states["cpu"]
+    assert not st.sync.any() and not st.acc.any()
+    assert torch.equal(expected - before, torch.tensor([[25, 10], [20, 8], [15, 6]]))
+
+
+def test_monotonic_launch_sums_the_jobs_own_sum_c2_slots_like_the_accumulator():
+    # MONOTONIC stage-A jobs store sum(c^2) into slots of their own (no atomics, nothing to clear)
+    # and the rescale jobs add the slots: the claimed launch's u (the accumulator's atomics) to
+    # fp32 rounding, every other output bit for bit, in the block loop and at once
+    for at_once in (False, True):
+        spec = make_spec("delayed", "bfloat16", dim=600)
+        cfg = LaunchConfig(16, 32, 128, r_splits=2, acc_copies=2, rescale_at_once=at_once)
+        args = make_inputs(spec, 37, seed=91)
+        slots = mega_mhc(*args, spec, config=cfg, out=poisoned(spec, 37))
+        assert_matches_reference(spec, args, slots)
+        claimed = mega_mhc(*args, spec, config=dataclasses.replace(cfg, co_resident=False))
+        for name, a, b in zip(OUTPUTS, slots, claimed):
+            if name == "u":  # bf16 u from an fp32 sum in another order: at most a rounding step apart
+                assert rel(a, b) <= 1e-3 and (a.float() - b.float()).abs().max() <= 2 ** -6 * b.float().abs().max()
+            else:
+                assert torch.equal(a, b), (name, at_once)
+
+
+def test_inconsistent_tile_counters_are_reset_with_a_warning_not_used():
+    # a launch aborted between its rescale tickets and its arrivals leaves a tile's counters out of
+    # step (the next launch's rescale jobs would wait for arrivals that never come and write NaN,
+    # on CUDA); the interpreter checks them before a launch, as it checks the sync words, and resets
+    cfg = LaunchConfig(16, 32, 128, r_splits=2)
+    spec = make_spec("delayed", "bfloat16", dim=600)
+    run_case(spec, 37, cfg, seed=92)
+    mm._states["cpu"].tiles[(5, 2)][1] += 1  # tile 0: a rescale ticket without its launch
+    with pytest.warns(UserWarning, match="token-tile counters were left inconsistent"):
+        run_case(spec, 37, cfg, seed=93)
+    assert torch.equal(tile_counters(5, 2, 3), torch.tensor([[5, 2]] * 3))
+    mm.reset_sync("cpu")
+    assert not tile_counters(5, 2, 3).any()
+
+
+def test_pdl_is_asked_for_on_cuda_devices_from_sm90_only(monkeypatch):
+    # LaunchConfig.pdl: the kernel's PDL constexpr (griddepcontrol.wait, then launch_dependents, at
+    # its start) and Triton's launch_pdl, on CUDA devices of compute capability 9.0 and up
+    cfg, cuda = LaunchConfig(16, 32, 64), torch.device("cuda")
+    for capability, pdl in (((9, 0), True), ((10, 0), True), ((8, 9), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert mm._pdl_options(cfg, cuda) == ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
+        assert mm._pdl_options(dataclasses.replace(cfg, pdl=False), cuda) == {"PDL": False}
+    assert mm._pdl_options(cfg, torch.device("cpu")) == {"PDL": False}  # the interpreter
+
+
 def test_unsupported_specs_give_reasons():
     ok = make_spec()
     assert unsupported_reason(ok) is None
@@ -428,6 +506,39 @@ def test_split_fn_kernel_writes_pieces_that_sum_to_fn():
     assert torch.equal(lo, (fn - hi).bfloat16().float())  # the exact residual, rounded
     assert ((hi + lo - fn).abs() <= fn.abs() * 2.0 ** -16).all()  # 16 of fp32's 24 mantissa bits
     assert ((hi - fn).abs() > fn.abs() * 2.0 ** -12).any()  # lo carries real bits: hi alone is bf16
+    # split_fn, the host's split for pieces kept across launches (frozen weights), writes the same
+    # bits, and zeros in the padding rows (which nothing reads)
+    kept = mm.split_fn(fn, spec)
+    assert torch.equal(kept[:, :spec.width()], pieces[:, :spec.width()]) and not kept[:, spec.width():].any()
+
+
+@pytest.mark.parametrize("form", ["delayed", "first_seam", "v4_fresh"])
+def test_given_fn_pieces_equal_the_split_in_the_launch(form):
+    # mega_mhc(fn_pieces=split_fn(fn)): stage A loads the given pieces and nothing is split: the
+    # bits of the launch that splits fn first (presplit_fn), in the tiled and split variants
+    spec = make_spec(form, "bfloat16")
+    for T, cfg in ((37, LaunchConfig(16, 32, 4096)), (37, LaunchConfig(16, 32, 64, r_splits=2, acc_copies=2))):
+        args = make_inputs(spec, T, seed=7, one_hot_pre=form == "first_seam")
+        given = mega_mhc(*args, spec, config=cfg, fn_pieces=mm.split_fn(args[5], spec), out=poisoned(spec, T))
+        assert_matches_reference(spec, args, given)
+        for a, b in zip(given, mega_mhc(*args, spec, config=dataclasses.replace(cfg, presplit_fn=True))):
+            assert (a is None and b is None) or torch.equal(a, b), (form, cfg)
+
+
+def test_fn_pieces_are_checked_like_every_input():
+    spec = make_spec("delayed", "bfloat16")
+    args = make_inputs(spec, 3, seed=8)
+    pieces = mm.split_fn(args[5], spec)
+    for bad, match in ((pieces.float(), "fn_pieces dtype float32 must be bfloat16"),
+                       (pieces[:, :24], r"fn_pieces must be \[2, 32, 640\]"),
+                       (pieces.transpose(1, 2).contiguous().transpose(1, 2), "fn_pieces must be contiguous")):
+        with pytest.raises(ValueError, match=match):
+            mega_mhc(*args, spec, fn_pieces=bad)
+    for other in (make_spec("delayed", "float32"), make_spec("final_collapse", "bfloat16")):
+        with pytest.raises(ValueError, match="fn_pieces are for bf16 streams with coefficients"):
+            mega_mhc(*make_inputs(other, 3, seed=8), other, fn_pieces=pieces)
+        with pytest.raises(ValueError, match="split_fn: fn's bf16 pieces are for bf16 streams with coefficients"):
+            mm.split_fn(args[5], other)
 
 
 @pytest.mark.parametrize("form, dtype", [("delayed", "float32"), ("final_collapse", "bfloat16")])
@@ -534,13 +645,23 @@ def test_choose_config_sub_tiles_only_where_fn_pieces_are_shared():
 def test_reserve_sync_covers_every_smaller_launch(monkeypatch):
     # the table's 16-token band has more tiles at T=512 (32) than the 32-token band at T=544 (17);
     # reserve_sync sizes for the most of any launch up to max_tokens, so none allocates later
-    grown = []
+    grown, counters = [], {}
     monkeypatch.setattr(mm, "_split_buffers", lambda device, n_tiles, acc: grown.append((n_tiles, acc)))
+    monkeypatch.setattr(mm, "_tile_counters", lambda device, n_splits, r_splits, n_tiles: counters.__setitem__(
+        (n_splits, r_splits), max(counters.get((n_splits, r_splits), 0), n_tiles)))
     spec = make_spec("delayed", "bfloat16", dim=5120)
-    mm.reserve_sync(spec, 544, device="cuda")  # (the table only: _split_buffers is replaced)
+    mm.reserve_sync(spec, 544, device="cuda")  # (the table only: the allocators are replaced)
     launches = [(mm._plan(spec, cfg, T), cfg)
                 for T in range(1, 545) for cfg in [mm.choose_config(spec, T, device="cuda")]]
     assert grown == [(max(p["n_tiles"] for p, _ in launches), max(p["acc_elems"] for p, _ in launches))]
+    # every launch that may run MONOTONIC (epilogue jobs, carried pre) has its tile counters, for
+    # its most tiles
+    needed = {}
+    for p, _ in launches:
+        if p["r_splits"]:
+            key = (p["n_splits"], p["r_splits"])
+            needed[key] = max(needed.get(key, 0), p["n_tiles"])
+    assert counters == needed and len(needed) == 4  # T <= 16, <= 128, <= 512, <= 1024 (up to 544)
     # 32 16-token tiles at T=512; 17 32-token tiles of 32 columns at T=544 (one copy), more than
     # the T=128 row's 8 tiles x 4 copies of 16 x 32
     assert grown[0] == (32, 17 * 32 * 32)

@@ -44,3 +44,24 @@ def test_handoff_launches_equal_the_reference_in_every_job_order(monkeypatch):
             assert_matches_reference(spec, args, mm.mega_mhc(*args, spec, config=cfg, job_rotation=rotation))
         torch.cuda.synchronize()
         assert not mm._states[mm._device_key(args[0].device)].sync.any()
+
+
+def test_monotonic_pdl_launches_stay_whole_across_sizes_and_forms():
+    # The tuned T=64 launch runs MONOTONIC (co-resident, carried pre) and, on sm_90+, as a
+    # programmatic dependent launch. Back to back with other sizes (T=37 on the same tile counters,
+    # T=1's hand-off, T=512's claimed jobs), given fn pieces and the fresh form, every launch
+    # equals the reference; afterwards the sync words are zero and every tile counter holds whole
+    # launches (arrivals / n_splits == rescale tickets / r_splits).
+    spec = make_spec("delayed", "bfloat16", dim=5120)
+    fresh = make_spec("v4_fresh", "bfloat16", dim=5120)
+    for i, (s, T, pieces) in enumerate([(spec, 64, False), (spec, 37, False), (spec, 1, False), (spec, 64, True),
+                                        (spec, 512, False), (fresh, 64, False), (spec, 64, False)]):
+        args = tuple(a.cuda() for a in make_inputs(s, T, seed=300 + i))
+        kw = {"fn_pieces": mm.split_fn(args[5], s)} if pieces else {}
+        assert_matches_reference(s, args, mm.mega_mhc(*args, s, **kw))
+    torch.cuda.synchronize()
+    state = mm._states[mm._device_key(torch.device("cuda"))]
+    assert not state.sync.any()
+    plan = mm._plan(spec, mm.choose_config(spec, 64), 64)
+    counters = state.tiles[(plan["n_splits"], plan["r_splits"])]
+    assert counters.any() and mm._counters_consistent(counters, plan["n_splits"], plan["r_splits"])

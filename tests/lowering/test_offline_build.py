@@ -8,6 +8,7 @@ tiles in registers by design; the H200's builds of the stop-11 kernels reported 
 results/tools/inspect_proxy.json).
 """
 
+import collections
 import dataclasses
 import json
 import re
@@ -228,12 +229,48 @@ def test_a_handoff_launch_builds_for_sm90_without_claim_or_cooperative_grid():
     assert build.programs_per_sm() >= 1 and build.stack_bytes == 0
     tuned = hopper_builds.build_mhc("delayed", 64)
     assert tuned.constexprs["CO_RESIDENT"] and not tuned.constexprs["HANDOFF"]
-    # one more acq_rel add (a rescale job's hand-off, besides every stage-A job's arrival), the same
-    # single relaxed add (the end-of-launch count: no claim in either), and two more loops (the
-    # last arrival's loop over handed parts, holding another copy of the rescale's block loop)
-    atomics = lambda b: (b.ptx.count("atom.global.gpu.acq_rel.add"), b.ptx.count("atom.global.gpu.relaxed.add"))
-    assert atomics(build) == (2, 1) and atomics(tuned) == (1, 1)
-    assert len(build.loops()) == len(tuned.loops()) + 2
+    # the hand-off launch counts in the u32 sync words: two acq_rel adds (every stage-A job's
+    # arrival and a rescale job's hand-off) and one relaxed add (the end-of-launch count; no claim);
+    # the tuned launch runs MONOTONIC on u64 tile counters: the arrival and a rescale job's ticket,
+    # no end count. Four more loops: the last arrival's loop over handed parts, holding another copy
+    # of the rescale's block loop, and the two of the end-of-launch reset (sync words, sum(c^2))
+    atomics = lambda b, bits: (b.ptx.count(f"atom.global.gpu.acq_rel.add.u{bits}"),
+                               b.ptx.count(f"atom.global.gpu.relaxed.add.u{bits}"))
+    assert atomics(build, 32) == (2, 1) and atomics(build, 64) == (0, 0)
+    assert atomics(tuned, 32) == (0, 0) and atomics(tuned, 64) == (1, 1)
+    assert len(build.loops()) == len(tuned.loops()) + 4
+
+
+def test_the_t64_launch_counts_tiles_monotonically_and_ends_without_a_launch_wide_count():
+    # the tuned T=64 launch (co-resident, carried pre) runs MONOTONIC: a stage-A arrival is an
+    # acq_rel add on its tile's u64 counter, a rescale job's ticket a relaxed one, sum(c^2) goes to
+    # slots (32: the tile's 27 stage-A jobs rounded up), and nothing counts the launch's end or
+    # restores a zero state; the claimed build keeps the u32 sync words, the claim and the end count
+    # (relaxed adds), and the reset (two exchanges). Both only reduce partial sums with red.add.f32.
+    spec = hopper_builds.mhc_spec("delayed")
+    cfg = mega_mhc.choose_config(spec, 64, device="cuda")
+    ops = lambda b: collections.Counter(re.findall(r"\b(?:atom|red)\.[\w.]+", b.ptx))
+    tuned, claimed = (hopper_builds.build_mhc("delayed", 64, config=c)
+                      for c in (cfg, dataclasses.replace(cfg, co_resident=False)))
+    _check(tuned)
+    assert tuned.constexprs["CSQ_SLOTS"] == 32 and claimed.constexprs["CSQ_SLOTS"] == 0
+    assert ops(tuned) == {"red.global.gpu.relaxed.add.f32": 4, "atom.global.gpu.acq_rel.add.u64": 1,
+                          "atom.global.gpu.relaxed.add.u64": 1}
+    assert ops(claimed) == {"red.global.gpu.relaxed.add.f32": 4, "atom.global.gpu.acq_rel.add.u32": 1,
+                            "atom.global.gpu.relaxed.add.u32": 2, "atom.global.gpu.relaxed.exch.b32": 2}
+
+
+def test_a_pdl_launch_waits_for_its_predecessor_before_touching_memory(monkeypatch):
+    # LaunchConfig.pdl as the H200 launches the seam (the launcher asks for it on CUDA devices from
+    # sm_90 on, so this CPU build is made with it by hand): griddepcontrol.wait, then
+    # launch_dependents, before the kernel's first global load, store or atomic; without pdl, neither
+    monkeypatch.setattr(mega_mhc, "_pdl_options", lambda cfg, device: {"PDL": cfg.pdl})
+    build = hopper_builds.build_mhc("delayed", 64)
+    _check(build)
+    first_access = min(m.start() for m in re.finditer(r"\b(?:ld|st|atom|red|cp\.async)\.(?!param)", build.ptx))
+    assert build.ptx.index("griddepcontrol.wait") < build.ptx.index("griddepcontrol.launch_dependents") < first_access
+    cfg = mega_mhc.choose_config(hopper_builds.mhc_spec("delayed"), 64, device="cuda")
+    assert "griddepcontrol" not in hopper_builds.build_mhc("delayed", 64, config=dataclasses.replace(cfg, pdl=False)).ptx
 
 
 def test_sinkhorn_on_factors_takes_two_thirds_of_the_instructions_a_round_on_sm90():
@@ -291,4 +328,6 @@ def test_reads_after_an_acquire_are_plain_loads(form):
     build = hopper_builds.build_mhc(form, 64)
     _check(build)
     assert re.search(r"ld\.global\.cg", build.ptx) is None
-    assert "ld.global.gpu.acquire.b32" in build.ptx and "atom.global.gpu.acq_rel.add.u32" in build.ptx
+    # (the carried forms' T=64 launches count in u64 token-tile counters: MONOTONIC)
+    bits = 64 if build.constexprs["CSQ_SLOTS"] else 32
+    assert f"ld.global.gpu.acquire.b{bits}" in build.ptx and f"atom.global.gpu.acq_rel.add.u{bits}" in build.ptx

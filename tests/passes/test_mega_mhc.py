@@ -116,6 +116,12 @@ def test_every_seam_form_fuses_whole_under_inductor_freezing(tmp_path, form):
         assert "get_attr[target=_frozen_param" in before and before.count("aten.split_with_sizes") == 1  # folded
         for constant in ("_megafuse_fn", "_megafuse_base", "_megafuse_scale"):
             assert f"get_attr[target={constant}" in after, constant
+        # bf16 streams: fn's bf16 pieces too, made once (lowering.mega_mhc.split_fn), the op's last
+        # argument; the outputs below then come from a kernel that loaded them
+        [call] = [line for line in after.splitlines() if "megafuse.mega_mhc.default" in line]
+        assert "get_attr[target=_megafuse_fn_pieces" in after and "_megafuse_fn_pieces" in call.split("args = (")[1]
+    else:
+        assert "_megafuse_fn_pieces" not in after
     for gone in ("aten.rsqrt", "aten.sigmoid", "aten.bmm", "aten.amax", "_mkl_linear", "aten.mm"):
         assert gone not in after, gone
     assert err <= 1e-2

@@ -1,8 +1,12 @@
-"""The H200 benchmarks' command lines on a machine without CUDA: a usage error, not a traceback."""
+"""The H200 benchmarks' command lines on a machine without CUDA: a usage error, not a traceback; where
+their results go."""
+
+import tempfile
 
 import pytest
 import torch
 
+from tools.bench_common import default_out
 from tools.bench_gate import main as bench_gate_main
 from tools.bench_mhc import main as bench_mhc_main
 
@@ -16,3 +20,10 @@ def test_a_gpu_run_without_cuda_is_a_usage_error(main, argv, tmp_path, capsys):
     assert e.value.code == 2
     assert "no CUDA device; --dry-run runs its correctness part on CPU" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_a_dry_run_never_writes_the_committed_results_by_default(tmp_path, monkeypatch):
+    # results/<name>.json holds H200 runs; a dry run without --out goes to the temp dir
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert default_out("bench_mhc", dry_run=False) == "results/bench_mhc.json"
+    assert default_out("bench_mhc", dry_run=True) == str(tmp_path / "bench_mhc_dry_run.json")
