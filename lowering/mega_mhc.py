@@ -1282,7 +1282,10 @@ def _gate_lines(spec: MhcSpec) -> list[str]:
 # loop body), the remainder unrolled after it: on the H200 at T=64 9.41 against 9.56 us for a loop of
 # one round a trip (results/bench_mhc_runs/stop15_experiments.json). Unrolling all of them measured
 # faster still but made each build ~10x slower (Triton's coalescing pass: stop14_experiments.json);
-# four rounds a trip build in ~2x the time.
+# four rounds a trip build in ~2x the time. With the rounds on factors (the T=1 and T=64 rows) more
+# unrolling gained nothing: T=64 8.37 us with 4 or 8 rounds a trip and 8.60 with all 19 (each with
+# the eps-first chain of _factor_rounds' docstring), and the sm_90 build of all 19 takes 27 s
+# against 7 (stop19_experiments.json).
 SINKHORN_UNROLL = 4
 
 
@@ -1333,8 +1336,11 @@ def _factor_rounds(n: int) -> list[str]:
     reciprocal; (K b)_i is one multiply and n - 1 fused multiply-adds. The columns alike with
     (K^T a)_j. (Two chains added, the first from eps ai_i, shorten the dependent chain from 5 to 3
     operations but take 9 more instructions a round: 57 against 48 on sm_90, and the T=64 merge
-    ended no sooner, 1.9 us after the last arrival against 1.8: stop18_experiments.json, call 4.) A half-round is n (n + 1) instructions and n reciprocals, against n (2n + 1) and n
-    for the cells; at the end comb = K a b. The first column normalisation starts b (a = 1)."""
+    ended no sooner, 1.9 us after the last arrival against 1.8: stop18_experiments.json, call 4.
+    One chain that starts from eps ai_i, 4 dependent operations after b and the same 48
+    instructions, measured slower: T=64 8.37 against 8.07 us, stop19_experiments.json.) A
+    half-round is n (n + 1) instructions and n reciprocals, against n (2n + 1) and n for the
+    cells; at the end comb = K a b. The first column normalisation starts b (a = 1)."""
     ks = range(n)
     out = []
     for j in ks:
@@ -2136,19 +2142,31 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         fn_pieces = dummy
     kernel = load(spec, interpret=interpret)
 
-    def launch_args(tiles, csq):  # tiles, csq: MONOTONIC's buffers (otherwise any tensor)
-        return (
-            streams, y if y is not None else dummy, post if post is not None else dummy,
-            comb if comb is not None else dummy, carried_pre if carried_pre is not None else dummy,
-            fn if spec.has_coefficients else dummy, fn_pieces, base if spec.has_coefficients else dummy,
-            scale if spec.has_coefficients else dummy, norm_weight,
-            x_out if x_out is not None else u, u,
-            pre_out if pre_out is not None else acc, post_out if post_out is not None else acc,
-            comb_out if comb_out is not None else acc, acc, ws, sync, tiles, csq, trace if trace is not None else acc,
-            T, x_stride[0], x_stride[1], y.stride(0) if y is not None else 0,
-            post.stride(0) if post is not None else 0, comb.stride(0) if comb is not None else 0,
-            carried_pre.stride(0) if carried_pre is not None else 0, n_tiles)
-    args = launch_args(acc, acc)
+    # A co-resident launch with epilogue jobs and the carried pre runs MONOTONIC (see the kernel)
+    # on its own token-tile counters and sum(c^2) slots; any other launch never reads them
+    try_co_resident = cfg.co_resident and plan["r_splits"] > 0 and not plan["handoff"] and (
+        interpret
+        or co_resident_candidate(plan["n_jobs"], torch.cuda.get_device_properties(device).multi_processor_count))
+    csq_slots = _next_pow2(n_splits) if try_co_resident and spec.pre == "carried" else 0
+    tiles = csq = acc  # (unused unless MONOTONIC)
+    if csq_slots:
+        tiles = _tile_counters(device, n_splits, plan["r_splits"], n_tiles)
+        if interpret and not _counters_consistent(tiles, n_splits, plan["r_splits"]):
+            warnings.warn("mega_mhc: token-tile counters were left inconsistent by an aborted launch; "
+                          "resetting the persistent state")
+            reset_sync(device)
+        csq = torch.empty(n_tiles * csq_slots * cfg.tile_t, dtype=torch.float32, device=device)
+    args = (
+        streams, y if y is not None else dummy, post if post is not None else dummy,
+        comb if comb is not None else dummy, carried_pre if carried_pre is not None else dummy,
+        fn if spec.has_coefficients else dummy, fn_pieces, base if spec.has_coefficients else dummy,
+        scale if spec.has_coefficients else dummy, norm_weight,
+        x_out if x_out is not None else u, u,
+        pre_out if pre_out is not None else acc, post_out if post_out is not None else acc,
+        comb_out if comb_out is not None else acc, acc, ws, sync, tiles, csq, trace if trace is not None else acc,
+        T, x_stride[0], x_stride[1], y.stride(0) if y is not None else 0,
+        post.stride(0) if post is not None else 0, comb.stride(0) if comb is not None else 0,
+        carried_pre.stride(0) if carried_pre is not None else 0, n_tiles)
     options = dict(
         TILE_T=cfg.tile_t, SUB_TILES=cfg.sub_tiles, BLOCK_D=cfg.block_d, N_CHUNKS=plan["n_chunks"],
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
@@ -2161,23 +2179,13 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         **_pdl_options(cfg, device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (plan["n_jobs"],)
-    if cfg.co_resident and plan["r_splits"] > 0 and not plan["handoff"]:
+    if try_co_resident:
         # the interpreter runs programs one at a time in program-id order, the order jobs are
         # claimed in, so there job = program id holds as it is
-        co_resident = dict(options, CO_RESIDENT=True, **({} if interpret else {"launch_cooperative_grid": True}))
-        co_args = args
-        if spec.pre == "carried":  # MONOTONIC (see the kernel)
-            slots = _next_pow2(n_splits)
-            co_resident["CSQ_SLOTS"] = slots
-            counters = _tile_counters(device, n_splits, plan["r_splits"], n_tiles)
-            if interpret and not _counters_consistent(counters, n_splits, plan["r_splits"]):
-                warnings.warn("mega_mhc: token-tile counters were left inconsistent by an aborted launch; "
-                              "resetting the persistent state")
-                reset_sync(device)
-            co_args = launch_args(counters, torch.empty(n_tiles * slots * cfg.tile_t, dtype=torch.float32,
-                                                        device=device))
-        if interpret or _fits_at_once(kernel, grid, co_args, co_resident, device):
-            options, args = co_resident, co_args
+        co_resident = dict(options, CO_RESIDENT=True, CSQ_SLOTS=csq_slots,
+                           **({} if interpret else {"launch_cooperative_grid": True}))
+        if interpret or _fits_at_once(kernel, grid, args, co_resident, device):
+            options = co_resident
     kernel[grid](*args, **options)
     return tuple(out)
 
