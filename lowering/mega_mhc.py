@@ -142,24 +142,25 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json, stop 17's code): CUDA-graph replay 5.4 / 8.8 / 24.7 / 145
-us at T = 1 / 64 / 512 / 4096 against 61 / 93 / 301 / 1781 us for the same chain under
-torch.compile (instances differ: the stop-11 kernel measured 10.4 us at T=64 on one, 12.0 on
-another). Where the time goes (tools/bench_mhc.py --trace: %globaltimer per program, after the
-first start; results/bench_mhc.log): at T=1 (co-resident, no claim) stage A done 1.5-2.1 us,
-arrived 2.4-2.9 (the release fence waits for the partial-sum atomics), rescale done 3.5-4.2,
-coefficients + Sinkhorn done 4.7 (the last program); at T=64 (co-resident) stage A takes 4.5 us
-(median, 4.9 max; three [16, 64] chunks: one warp's instruction latency, one program per SM: a
-stage-A job that shared an SM took 7.2-7.7), the arrival ~0.9 us more (with the partial sums in
-4 accumulator copies; 1.9 with one), then the merge 2.0 us after the last arrival (one round trip
-for its block and bias loads, gates and softmax, Sinkhorn's rounds ~0.7 us on factors), the
-rescale jobs ending beside it (two [16, 512] blocks loaded with sum(c^2) in one round trip:
-rescale_at_once, then the end ticket; the merges end at 7.4 us, the rescale jobs at 7.3 median,
-7.6 max); the launch itself ~1.1 us (an empty kernel of 128 programs: 0.59 us in graph replay,
-1.16 launched cooperatively, stop16_experiments.json, though dropping the cooperative launch
-(handoff) did not gain at T=64: stop17_experiments.json); at T=4096 the stage-A jobs end at 122-128 us,
-the merges at 126-132 and the rescale jobs at 136-144 (the parked collapse is re-read, much of it
-from HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the launch with each of
+Measured (H200, results/bench_mhc.json, stop 19's run): CUDA-graph replay 5.1 / 8.2 / 23.9 / 144
+us at T = 1 / 64 / 512 / 4096 (with fn's pieces given: 5.1 / 8.0 / 23.1 / 146) against 61 / 94 /
+301 / 1784 us for the same chain under torch.compile. Instances differ (the stop-11 kernel
+measured 10.4 us at T=64 on one, 12.0 on another), and so do the persistent buffers' addresses:
+the T=64 launch measured 8.15-8.48 us over six placements in one process
+(stop19_experiments.json). Where the time goes (tools/bench_mhc.py --trace: %globaltimer per
+program, after the first start; results/bench_mhc.log): at T=1 (hand-off, no claim) stage A done
+1.6-2.1 us, arrived 2.4-2.9 (the release fence waits for the partial-sum atomics), rescale done
+3.4-3.7, coefficients + Sinkhorn done 4.7 (the last program); at T=64 (co-resident, MONOTONIC)
+stage A takes 4.45 us (median, 4.74 max; three [16, 64] chunks: one warp's instruction latency,
+one program per SM: a stage-A job that shared an SM took 7.2-7.7), the arrival ~1.0 us more
+(with the partial sums in 4 accumulator copies; 1.9 with one), then the merge 1.8 us after the
+last arrival (one round trip for its block and bias loads, gates and softmax, Sinkhorn's rounds
+~0.7 us on factors), the rescale jobs ending beside it (two [16, 512] blocks loaded with sum(c^2)
+in one round trip: rescale_at_once; the merges end at 7.4 us, the rescale jobs at 7.1 median,
+7.3 max); the launch itself ~0.8 us more with PDL (an empty kernel of 128 programs: 0.59 us in
+graph replay, 1.16 launched cooperatively, stop16_experiments.json); at T=4096 the stage-A jobs
+end at 121-127 us, the merges at 126-130 and the rescale jobs at 136-143 (the parked collapse is
+re-read, much of it from HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the launch with each of
 LEAVE_OUT_PARTS compiled out; measured before the paired conversions and sub-tiles): the
 projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at T=512, 24 of 145
 at T=4096), then fn's loads.
@@ -2143,10 +2144,9 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     kernel = load(spec, interpret=interpret)
 
     # A co-resident launch with epilogue jobs and the carried pre runs MONOTONIC (see the kernel)
-    # on its own token-tile counters and sum(c^2) slots; any other launch never reads them
-    try_co_resident = cfg.co_resident and plan["r_splits"] > 0 and not plan["handoff"] and (
-        interpret
-        or co_resident_candidate(plan["n_jobs"], torch.cuda.get_device_properties(device).multi_processor_count))
+    # on its own token-tile counters and sum(c^2) slots; a launch that turns out not to fit at
+    # once never reads them
+    try_co_resident = cfg.co_resident and plan["r_splits"] > 0 and not plan["handoff"]
     csq_slots = _next_pow2(n_splits) if try_co_resident and spec.pre == "carried" else 0
     tiles = csq = acc  # (unused unless MONOTONIC)
     if csq_slots:
