@@ -160,10 +160,10 @@ in one round trip: rescale_at_once; the merges end at 7.4 us, the rescale jobs a
 7.3 max); the launch itself ~0.8 us more with PDL (an empty kernel of 128 programs: 0.59 us in
 graph replay, 1.16 launched cooperatively, stop16_experiments.json); at T=4096 the stage-A jobs
 end at 121-127 us, the merges at 126-130 and the rescale jobs at 136-143 (the parked collapse is
-re-read, much of it from HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the launch with each of
-LEAVE_OUT_PARTS compiled out; measured before the paired conversions and sub-tiles): the
-projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at T=512, 24 of 145
-at T=4096), then fn's loads.
+re-read, much of it from HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the
+launch with each of LEAVE_OUT_PARTS compiled out; measured before the paired conversions and
+sub-tiles): the projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at
+T=512, 24 of 145 at T=4096), then fn's loads.
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
 launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
 """
