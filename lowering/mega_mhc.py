@@ -2145,11 +2145,13 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
 
     # A co-resident launch with epilogue jobs and the carried pre runs MONOTONIC (see the kernel)
     # on its own token-tile counters and sum(c^2) slots; a launch that turns out not to fit at
-    # once never reads them
+    # once never reads them, and a grid too large to be co-resident (_fits_at_once refuses it
+    # without a build) does not get them
     try_co_resident = cfg.co_resident and plan["r_splits"] > 0 and not plan["handoff"]
     csq_slots = _next_pow2(n_splits) if try_co_resident and spec.pre == "carried" else 0
     tiles = csq = acc  # (unused unless MONOTONIC)
-    if csq_slots:
+    if csq_slots and (interpret or co_resident_candidate(
+            plan["n_jobs"], torch.cuda.get_device_properties(device).multi_processor_count)):
         tiles = _tile_counters(device, n_splits, plan["r_splits"], n_tiles)
         if interpret and not _counters_consistent(tiles, n_splits, plan["r_splits"]):
             warnings.warn("mega_mhc: token-tile counters were left inconsistent by an aborted launch; "
