@@ -136,29 +136,34 @@ the largest T, or call `reserve_sync`, before capturing a CUDA graph: allocating
 raises); `reset_sync` zeroes them all after an aborted launch (the interpreter checks the state
 before each launch and resets it with a warning). On CUDA devices from sm_90 on, the seam is a
 programmatic dependent launch (`LaunchConfig.pdl`): it waits for its predecessor's writes before
-touching memory, so only launch latency overlaps. Per-call buffers come from
+touching memory, so only launch latency and the programs' set-up (job numbers and addresses, where
+jobs are not claimed) overlap. Per-call buffers come from
 torch.empty (every element read is written first), so under capture they come from the graph's
 pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new inputs). Split
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json, stop 19's run): CUDA-graph replay 5.1 / 8.2 / 23.9 / 144
-us at T = 1 / 64 / 512 / 4096 (with fn's pieces given: 5.1 / 8.0 / 23.1 / 146) against 61 / 94 /
-301 / 1784 us for the same chain under torch.compile. Instances differ (the stop-11 kernel
-measured 10.4 us at T=64 on one, 12.0 on another), and so do the persistent buffers' addresses:
-the T=64 launch measured 8.15-8.48 us over six placements in one process
-(stop19_experiments.json). Where the time goes (tools/bench_mhc.py --trace: %globaltimer per
-program, after the first start; results/bench_mhc.log): at T=1 (hand-off, no claim) stage A done
+Measured (H200, results/bench_mhc.json, stop 20's run): CUDA-graph replay 4.7 / 8.0 / 23.9 / 146
+us at T = 1 / 64 / 512 / 4096 (with fn's pieces given: 4.8 / 7.8 / 23.3 / 148) against 61 / 95 /
+300 / 1771 us for the same chain under torch.compile; in one process the late PDL wait (_begin)
+took T=64 from 8.37 to 7.96 us and T=1 from 4.94 to 4.67 (stop20_experiments.json, call 5).
+Instances differ (the stop-11 kernel measured 10.4 us at T=64 on one, 12.0 on another), and so do
+the persistent buffers' addresses: the T=64 launch measured 8.15-8.48 us over six placements in
+one process (stop19_experiments.json). Where the time goes (tools/bench_mhc.py --trace:
+%globaltimer per program, after the first start; stop 19's run, bench_mhc_runs/stop19_bench.log):
+at T=1 (hand-off, no claim) stage A done
 1.6-2.1 us, arrived 2.4-2.9 (the release fence waits for the partial-sum atomics), rescale done
 3.4-3.7, coefficients + Sinkhorn done 4.7 (the last program); at T=64 (co-resident, MONOTONIC)
 stage A takes 4.45 us (median, 4.74 max; three [16, 64] chunks: one warp's instruction latency,
 one program per SM: a stage-A job that shared an SM took 7.2-7.7), the arrival ~1.0 us more
 (with the partial sums in 4 accumulator copies; 1.9 with one), then the merge 1.8 us after the
 last arrival (one round trip for its block and bias loads, gates and softmax, Sinkhorn's rounds
-~0.7 us on factors), the rescale jobs ending beside it (two [16, 512] blocks loaded with sum(c^2)
-in one round trip: rescale_at_once; the merges end at 7.4 us, the rescale jobs at 7.1 median,
-7.3 max); the launch itself ~0.8 us more with PDL (an empty kernel of 128 programs: 0.59 us in
-graph replay, 1.16 launched cooperatively, stop16_experiments.json); at T=4096 the stage-A jobs
+~0.7 us on factors; ~0.8 us of it is special-function work, 193 MUFU instructions a warp, so two
+merges on one SM take 2.4-2.7 us each: stop20_experiments.json, call 3), the rescale jobs
+ending beside it (two [16, 512] blocks loaded with sum(c^2) in one round trip: rescale_at_once;
+the merges end at 7.4 us, the rescale jobs at 7.1 median, 7.3 max); the launch itself ~0.8 us
+more with PDL (an empty kernel of 128 programs: 0.59 us in graph replay, 1.16 launched
+cooperatively, stop16_experiments.json); at T=4096 the stage-A jobs
 end at 121-127 us, the merges at 126-130 and the rescale jobs at 136-143 (the parked collapse is
 re-read, much of it from HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the
 launch with each of LEAVE_OUT_PARTS compiled out; measured before the paired conversions and
@@ -487,7 +492,8 @@ def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr
              tile, c_begin, c_end, acc_copy, TILE_T: tl.constexpr, SUB_TILES: tl.constexpr,
              BLOCK_D: tl.constexpr, ACC_COPIES: tl.constexpr, ATOMIC: tl.constexpr,
              PIPELINE_STAGES: tl.constexpr, PRESPLIT: tl.constexpr, LEAVE_OUT: tl.constexpr,
-             CSQ_SLOT: tl.constexpr, INTERPRETED: tl.constexpr):
+             CSQ_SLOT: tl.constexpr, WAIT: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
+             INTERPRETED: tl.constexpr):
     """Stage A for token tile `tile` over chunks [c_begin, c_end) of D: store X' (and the parked,
     unnormalised carried collapse), and add the partial sums into copy `acc_copy` of the tile's
     accumulator block (_acc_block): the (2+n)n projections, sum X'^2 (SUMSQ_COL), sum c^2
@@ -502,8 +508,11 @@ def _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr
     chunk is computed (register double-buffering: the loads' latency overlaps the arithmetic and
     the stores). Loops run over chunk numbers: every chunk starts at a known multiple of BLOCK_D
     (aligned, vectorised accesses), and the only partial chunk is D's last (masks against
-    constexpr D)."""
+    constexpr D). WAIT (PDL, job = program id): the first memory access of the program is here,
+    after the set-up that needs none (_begin)."""
     SUB_T: tl.constexpr = TILE_T // SUB_TILES
+$SUB_ROWS
+    _begin(WAIT, trace_ptr, TRACE)
 $SUB_SETUP
     if PIPELINE_STAGES > 0:
         # loads inside the loop; Triton's pipeliner keeps PIPELINE_STAGES - 1 chunks in flight
@@ -835,6 +844,20 @@ def _wait(counter_ptr, target, MAX_SPINS: tl.constexpr, MASK: tl.constexpr):
 
 
 @triton.jit
+def _begin(WAIT: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
+    """WAIT (a PDL launch whose jobs need no memory to be known): this program's first memory
+    access comes next, so wait for the previous kernel's writes (griddepcontrol.wait), let the next
+    kernel be scheduled, and stamp the start (and the job, known by now). Everything before it is
+    arithmetic on program ids and arguments, which overlaps the previous kernel's end (T=64, sm_90:
+    ~45 instructions of the stage-A jobs' set-up moved ahead of the wait)."""
+    if WAIT:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        _stamp(trace_ptr, EV_START, TRACE)
+        _stamp(trace_ptr, EV_CLAIMED, TRACE)
+
+
+@triton.jit
 def _stamp(trace_ptr, event, TRACE: tl.constexpr):
     """TRACE: record the GPU's %globaltimer (ns) as `event` of this program's trace row (what
     tools/bench_mhc.py --trace reads: where a launch's time goes). Compiled out otherwise."""
@@ -899,7 +922,9 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
     ws_ptr: 1/rms per token [n_tiles * TILE_T] (epilogue-job mode).
     trace_ptr: [programs, TRACE_EVENTS] int64 when TRACE (else unused): EV_* timestamps per program.
     LEAVE_OUT: 0, or a timing diagnostic's LEAVE_* bits (stage A parts compiled out; wrong outputs).
-    PDL: launched as a programmatic dependent launch (LaunchConfig.pdl).
+    PDL: launched as a programmatic dependent launch (LaunchConfig.pdl): no memory access before
+    griddepcontrol.wait, which comes first where jobs are claimed and otherwise just before each
+    program's first access (_begin).
     CSQ_SLOTS > 0: MONOTONIC (epilogue jobs, carried pre, every program resident at once, no
     handoff): nothing is reset at the launch's end. Each token tile's two int64 counters in
     tiles_ptr only grow: ARRIVE (stage-A arrivals, N_SPLITS a launch) and RESCALE (rescale jobs'
@@ -911,22 +936,26 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
     So no job ends in the launch-wide end count's round trip (~0.5 us after a rescale job's
     stores at T=64); int64 counters cannot wrap (N_SPLITS per launch).
     """
-    if PDL:
-        # Scheduled while the stream's previous kernel may still run: wait until its writes are
-        # visible before touching memory (every input, and the sync state the previous seam
-        # launch left zeroed), then let the next kernel be scheduled in turn. Both before any
-        # access: nothing of this launch overlaps its predecessor but the launch itself.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    _stamp(trace_ptr, EV_START, TRACE)
+    # PDL: scheduled while the stream's previous kernel may still run, so nothing may touch memory
+    # (every input, and the sync state the previous seam launch left zeroed) before the wait for
+    # its writes. Where a job is known without memory (LATE: job = program id), each program
+    # computes its job and its addresses first and waits just before its first access (_begin),
+    # so that set-up overlaps the predecessor's end; a claimed job waits before its claim.
+    CLAIMED: tl.constexpr = N_SPLITS > 1 and R_SPLITS > 0 and not HANDOFF and not CO_RESIDENT
+    LATE: tl.constexpr = PDL and not CLAIMED
+    if not LATE:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        _stamp(trace_ptr, EV_START, TRACE)
     if N_SPLITS == 1:
         # tiled: one program per token tile, nothing shared
         tile = tl.program_id(0)
-        _note_job(trace_ptr, tile, ROLE_TILED, TRACE)
         _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr, csq_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
                  tile, 0, N_CHUNKS, 0, TILE_T, SUB_TILES, BLOCK_D, ACC_COPIES, False, PIPELINE_STAGES,
-                 PRESPLIT, LEAVE_OUT, False, INTERPRETED)
+                 PRESPLIT, LEAVE_OUT, False, LATE, trace_ptr, TRACE, INTERPRETED)
+        _note_job(trace_ptr, tile, ROLE_TILED, TRACE)
         _stamp(trace_ptr, EV_WORK, TRACE)
         _finish_inline(acc_ptr, x_ptr, xo_ptr, u_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, posto_ptr,
                        combo_ptr, T, stride_xt, stride_xk, tile, TILE_T, BLOCK_D, N_CHUNKS, R_BLOCK,
@@ -935,14 +964,15 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
     elif R_SPLITS == 0:
         # split, the last arrival finishes the tile: nothing ever waits, so program ids are job ids
         job = tl.program_id(0)
-        _note_job(trace_ptr, job, ROLE_STAGE_A, TRACE)
         tile = job // N_SPLITS
         part = job % N_SPLITS
         c_begin = part * SPLIT_CHUNKS
         _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr, csq_ptr,
                  T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
                  tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), part % ACC_COPIES, TILE_T, SUB_TILES,
-                 BLOCK_D, ACC_COPIES, True, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, False, INTERPRETED)
+                 BLOCK_D, ACC_COPIES, True, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, False, LATE, trace_ptr, TRACE,
+                 INTERPRETED)
+        _note_job(trace_ptr, job, ROLE_STAGE_A, TRACE)
         _stamp(trace_ptr, EV_WORK, TRACE)
         arrive_a = sync_ptr + TILE_SYNC + tile * 4 + ARRIVE_A
         ticket = _arrive(arrive_a)
@@ -965,13 +995,13 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
             job = tl.program_id(0)
         else:
             job = tl.atomic_add(sync_ptr + JOB_COUNTER, 1, sem="relaxed")
-        _stamp(trace_ptr, EV_CLAIMED, TRACE)
+        if not LATE:  # (LATE: _begin stamps it)
+            _stamp(trace_ptr, EV_CLAIMED, TRACE)
         inv_ws = ws_ptr
         role, tile, part = _epilogue_job(job, n_a, n_c, n_jobs, N_SPLITS, R_SPLITS)
         MONOTONIC: tl.constexpr = CSQ_SLOTS > 0
         done = tl.full([], 1, tl.int32)  # this program's part of the end-of-launch count (below)
         if role == ROLE_STAGE_A:
-            _note_job(trace_ptr, job, ROLE_STAGE_A, TRACE)
             sync = sync_ptr + TILE_SYNC + tile * 4
             c_begin = part * SPLIT_CHUNKS
             _sweep_a(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr, xo_ptr, u_ptr, acc_ptr,
@@ -979,7 +1009,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                      T, stride_xt, stride_xk, stride_yt, stride_post, stride_comb, stride_cpre,
                      tile, c_begin, tl.minimum(c_begin + SPLIT_CHUNKS, N_CHUNKS), part % ACC_COPIES, TILE_T,
                      SUB_TILES, BLOCK_D, ACC_COPIES, True, PIPELINE_STAGES, PRESPLIT, LEAVE_OUT, MONOTONIC,
-                     INTERPRETED)
+                     LATE, trace_ptr, TRACE, INTERPRETED)
+            _note_job(trace_ptr, job, ROLE_STAGE_A, TRACE)
             _stamp(trace_ptr, EV_WORK, TRACE)
             if MONOTONIC:
                 ticket = _arrive(tiles_ptr + tile * 2 + TILE_ARRIVE) % N_SPLITS
@@ -1007,6 +1038,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                 _stamp(trace_ptr, EV_FINISHED, TRACE)
         elif role == ROLE_COLLAPSE:
             # fresh: collapse this slice with pre' (stored by the tile's merge); sum(c^2) by atomics
+            _begin(LATE, trace_ptr, TRACE)
             _note_job(trace_ptr, job, ROLE_COLLAPSE, TRACE)
             sync = sync_ptr + TILE_SYNC + tile * 4
             failed = _wait(sync + READY_A, 1, MAX_SPINS, COUNT_MASK)
@@ -1029,6 +1061,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                 tl.atomic_xchg(sync + READY_C, 1, sem="release")
                 _stamp(trace_ptr, EV_FINISHED, TRACE)
         elif role == ROLE_RESCALE:  # (else no job: only if the sync state was corrupted)
+            _begin(LATE, trace_ptr, TRACE)
             _note_job(trace_ptr, job, ROLE_RESCALE, TRACE)
             sync = sync_ptr + TILE_SYNC + tile * 4
             if FRESH:
@@ -1068,6 +1101,8 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
                     _rescale_part(u_ptr, w_ptr, T, tile, inv_c, part, R_PER_JOB, TILE_T, R_BLOCK, RESCALE_STAGES,
                                   INTERPRETED)
             _stamp(trace_ptr, EV_WORK, TRACE)
+        else:  # no job: a claim past the last, only with a corrupted sync state; it still counts below
+            _begin(LATE, trace_ptr, TRACE)
         # The last job to finish restores the all-zero state: every job number has been claimed
         # and every wait of this launch is over. Relaxed: nothing is published through this
         # counter (every thread's waits are over at the barrier, and the next launch is
@@ -1194,7 +1229,7 @@ def _project(acc, xs, w, INTERPRETED: tl.constexpr):
 
 _GENERATOR_FINGERPRINT = hashlib.sha1(
     (_TEMPLATE.template + _CHUNK_BODY.template + _SUB_BODY.template + _PROJECT_BF16 + _PROJECT_FP32
-     + "gen-v7").encode()).hexdigest()
+     + "gen-v8").encode()).hexdigest()
 
 
 def _fmt_float(x: float) -> str:
@@ -1472,12 +1507,22 @@ def generate_source(spec: MhcSpec) -> str:
     lines["CUR_NAMES_S1"] = ", ".join(stream_names(SUB_SUFFIX[1]))
     lines["NEXT_NAMES"] = ", ".join(f"{name}_n" for name in loaded)
 
-    def sub_setup(sfx: str, first_row: str) -> list[str]:
-        """One sub-tile's rows, per-token scalars and partial sums (before the chunk loop)."""
+    def sub_rows(sfx: str, first_row: str) -> list[str]:
+        """One sub-tile's rows and zeroed partial sums: no memory access (before _begin)."""
         out = [f"rows{sfx} = tile * TILE_T + {first_row}tl.arange(0, SUB_T)",
                f"row_ok{sfx} = rows{sfx} < T  # tokens past T load zeros and are never stored",
-               f"rows64{sfx} = rows{sfx}.to(tl.int64)",
-               "if HAS_POST:",
+               f"rows64{sfx} = rows{sfx}.to(tl.int64)"]
+        out += ["# two projection accumulators (even and odd streams): a chunk's 2n tensor-core dots form two",
+                "# independent chains instead of one through a single accumulator (one accumulator per stream",
+                "# took the 16 x 64 sm_90 builds to 255 registers and spills)"]
+        out += [f"acc_{k}{sfx} = tl.full([SUB_T, SLOT], 0.0, dtype=tl.float32)" for k in range(2)]
+        out += [f"sumsq{sfx} = tl.full([SUB_T], 0.0, dtype=tl.float32)",
+                f"csq{sfx} = tl.full([SUB_T], 0.0, dtype=tl.float32)"]
+        return out
+
+    def sub_setup(sfx: str) -> list[str]:
+        """One sub-tile's per-token scalars (loads: after _begin, before the chunk loop)."""
+        out = ["if HAS_POST:",
                "    # per-token scalars as [SUB_T] columns: post_j = post[t, j], comb_i_j = comb[t, i, j]"]
         out += [f"    post_{j}{sfx} = tl.load(post_ptr + rows64{sfx} * stride_post + {j}, mask=row_ok{sfx}, other=0.0)"
                 for j in streams]
@@ -1486,12 +1531,6 @@ def generate_source(spec: MhcSpec) -> str:
         out.append("if not FRESH:")
         out += [f"    pre_{k}{sfx} = tl.load(cpre_ptr + rows64{sfx} * stride_cpre + {k}, mask=row_ok{sfx}, other=0.0)"
                 for k in streams]
-        out += ["# two projection accumulators (even and odd streams): a chunk's 2n tensor-core dots form two",
-                "# independent chains instead of one through a single accumulator (one accumulator per stream",
-                "# took the 16 x 64 sm_90 builds to 255 registers and spills)"]
-        out += [f"acc_{k}{sfx} = tl.full([SUB_T, SLOT], 0.0, dtype=tl.float32)" for k in range(2)]
-        out += [f"sumsq{sfx} = tl.full([SUB_T], 0.0, dtype=tl.float32)",
-                f"csq{sfx} = tl.full([SUB_T], 0.0, dtype=tl.float32)"]
         return out
 
     def sub_finish(sfx: str) -> list[str]:
@@ -1537,7 +1576,8 @@ def generate_source(spec: MhcSpec) -> str:
     def both_sub_tiles(lines_for) -> list[str]:  # sub-tile 0, then sub-tile 1 where there are two
         return lines_for(0) + ["if SUB_TILES > 1:"] + ["    " + r for r in lines_for(1)]
 
-    block("SUB_SETUP", 4, both_sub_tiles(lambda s: sub_setup(SUB_SUFFIX[s], "SUB_T + " if s else "")))
+    block("SUB_ROWS", 4, both_sub_tiles(lambda s: sub_rows(SUB_SUFFIX[s], "SUB_T + " if s else "")))
+    block("SUB_SETUP", 4, both_sub_tiles(lambda s: sub_setup(SUB_SUFFIX[s])))
     block("SUB_FINISH", 4, both_sub_tiles(lambda s: sub_finish(SUB_SUFFIX[s])))
     block("SUB_BODY", 0, sub_body("").split("\n"))
     block("SUB_BODY_S1", 4, sub_body(SUB_SUFFIX[1]).split("\n"))
@@ -1665,12 +1705,15 @@ class LaunchConfig:
     pdl          on devices with programmatic dependent launch (CUDA sm_90+): the seam is launched
                  as a programmatic dependent of the stream's previous kernel, so its programs are
                  scheduled while that kernel ends; each waits for the previous kernel's writes
-                 (griddepcontrol.wait) before any memory access, then lets the next kernel launch
-                 early the same way. Only launch latency overlaps, no work. Back to back in graph
-                 replay on the H200: T=64 8.39 / 8.42 against 8.73 / 8.74 us, T=1 5.00 / 4.97
-                 against 5.46 / 5.40, T=512 23.83 / 23.96 against 24.53 / 24.62, T=4096 unchanged;
-                 after a kernel launched without it (a zero fill) only 8.79-8.83 against 8.87-8.90
-                 at T=64 (results/bench_mhc_runs/stop18_experiments.json, calls 1-2)
+                 (griddepcontrol.wait) just before its first memory access, then lets the next
+                 kernel launch early the same way: only launch latency and the programs' set-up
+                 (job numbers, addresses; claimed jobs wait before the claim) overlap, no memory
+                 access. Back to back in graph replay on the H200, with the wait at the kernel's
+                 start: T=64 8.39 / 8.42 against 8.73 / 8.74 us, T=1 5.00 / 4.97 against 5.46 /
+                 5.40, T=512 23.83 / 23.96 against 24.53 / 24.62, T=4096 unchanged; after a kernel
+                 launched without it (a zero fill) only 8.79-8.83 against 8.87-8.90 at T=64
+                 (results/bench_mhc_runs/stop18_experiments.json, calls 1-2). The wait moved to the
+                 first access: T=64 7.96 against 8.37, T=1 4.67 against 4.94 (stop20, call 5)
     """
     tile_t: int
     block_d: int
@@ -1716,7 +1759,9 @@ class LaunchConfig:
 #          is pipelined 3 deep (rescale_stages): its jobs' two blocks took 1.7 us after their
 #          1/rms and end 0.4 us sooner that way, which leaves the merge the launch's only critical
 #          path; in one process 9.58 against 9.64 us (stop14_experiments.json; 10 rescale jobs a
-#          tile with it 11.90)
+#          tile with it 11.90). Stop 20 (stop20_experiments.json, against this row's 8.16-8.21): one-chunk
+#          jobs at three programs per SM 8.59 (two tiles' merges met on one SM), two-chunk jobs 9.57,
+#          32-column chunks 10.09, 32-token tiles as two sub-tiles 9.16, pipelined 2 deep 8.65
 #   T=512  32 tiles x 8 slices + 5 rescale jobs a tile    24.72 us (10 rescale jobs a tile 25.09, 4
 #          (two 512-column blocks each), pipelined 3 deep       25.29, 2 deep 35.5, 12 chunks a
 #                                                                slice 27.95, fn split first 26.6,

@@ -400,8 +400,9 @@ def test_inconsistent_tile_counters_are_reset_with_a_warning_not_used():
 
 
 def test_pdl_is_asked_for_on_cuda_devices_from_sm90_only(monkeypatch):
-    # LaunchConfig.pdl: the kernel's PDL constexpr (griddepcontrol.wait, then launch_dependents, at
-    # its start) and Triton's launch_pdl, on CUDA devices of compute capability 9.0 and up
+    # LaunchConfig.pdl: the kernel's PDL constexpr (griddepcontrol.wait, then launch_dependents,
+    # before each program's first memory access) and Triton's launch_pdl, on CUDA devices of
+    # compute capability 9.0 and up
     cfg, cuda = LaunchConfig(16, 32, 64), torch.device("cuda")
     for capability, pdl in (((9, 0), True), ((10, 0), True), ((8, 9), False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)

@@ -260,17 +260,30 @@ def test_the_t64_launch_counts_tiles_monotonically_and_ends_without_a_launch_wid
                             "atom.global.gpu.relaxed.add.u32": 2, "atom.global.gpu.relaxed.exch.b32": 2}
 
 
-def test_a_pdl_launch_waits_for_its_predecessor_before_touching_memory(monkeypatch):
+@pytest.mark.parametrize("T", [1, 64, 512])
+def test_a_pdl_launch_waits_for_its_predecessor_before_touching_memory(monkeypatch, T):
     # LaunchConfig.pdl as the H200 launches the seam (the launcher asks for it on CUDA devices from
     # sm_90 on, so this CPU build is made with it by hand): griddepcontrol.wait, then
-    # launch_dependents, before the kernel's first global load, store or atomic; without pdl, neither
+    # launch_dependents, before the kernel's first global load, store or atomic; without pdl, neither.
+    # Where jobs are claimed (T=512) the wait comes first, before the claim; where job = program id
+    # (T=1 hand-off, T=64 co-resident) each role that touches memory (stage-A jobs, rescale jobs:
+    # two) waits just before its first access, after the set-up from the program id (_begin)
     monkeypatch.setattr(mega_mhc, "_pdl_options", lambda cfg, device: {"PDL": cfg.pdl})
-    build = hopper_builds.build_mhc("delayed", 64)
+    build = hopper_builds.build_mhc("delayed", T)
     _check(build)
-    first_access = min(m.start() for m in re.finditer(r"\b(?:ld|st|atom|red|cp\.async)\.(?!param)", build.ptx))
-    assert build.ptx.index("griddepcontrol.wait") < build.ptx.index("griddepcontrol.launch_dependents") < first_access
-    cfg = mega_mhc.choose_config(hopper_builds.mhc_spec("delayed"), 64, device="cuda")
-    assert "griddepcontrol" not in hopper_builds.build_mhc("delayed", 64, config=dataclasses.replace(cfg, pdl=False)).ptx
+    ptx = build.ptx
+    first_access = min(m.start() for m in re.finditer(r"\b(?:ld|st|atom|red|cp\.async)\.(?!param)", ptx))
+    waits = [m.start() for m in re.finditer(r"griddepcontrol\.wait", ptx)]
+    assert waits[0] < ptx.index("griddepcontrol.launch_dependents") < first_access
+    claimed = not (build.constexprs["CO_RESIDENT"] or build.constexprs["HANDOFF"])
+    assert claimed == (T == 512)
+    if claimed:
+        assert len(waits) == 1 and "%ctaid.x" not in ptx[:waits[0]]
+        assert ptx.index("atom.global", waits[0]) == min(m.start() for m in re.finditer(r"\batom\.", ptx))
+    else:
+        assert len(waits) == 2 and ptx.index("%ctaid.x") < waits[0]
+    cfg = mega_mhc.choose_config(hopper_builds.mhc_spec("delayed"), T, device="cuda")
+    assert "griddepcontrol" not in hopper_builds.build_mhc("delayed", T, config=dataclasses.replace(cfg, pdl=False)).ptx
 
 
 def test_sinkhorn_on_factors_takes_two_thirds_of_the_instructions_a_round_on_sm90():
