@@ -143,32 +143,30 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json, stop 20's run): CUDA-graph replay 4.7 / 8.0 / 23.9 / 146
-us at T = 1 / 64 / 512 / 4096 (with fn's pieces given: 4.8 / 7.8 / 23.3 / 148) against 61 / 95 /
-300 / 1771 us for the same chain under torch.compile; in one process the late PDL wait (_begin)
-took T=64 from 8.37 to 7.96 us and T=1 from 4.94 to 4.67 (stop20_experiments.json, call 5).
-Instances differ (the stop-11 kernel measured 10.4 us at T=64 on one, 12.0 on another), and so do
-the persistent buffers' addresses: the T=64 launch measured 8.15-8.48 us over six placements in
-one process (stop19_experiments.json). Where the time goes (tools/bench_mhc.py --trace:
-%globaltimer per program, after the first start; stop 19's run, bench_mhc_runs/stop19_bench.log):
-at T=1 (hand-off, no claim) stage A done
-1.6-2.1 us, arrived 2.4-2.9 (the release fence waits for the partial-sum atomics), rescale done
-3.4-3.7, coefficients + Sinkhorn done 4.7 (the last program); at T=64 (co-resident, MONOTONIC)
-stage A takes 4.45 us (median, 4.74 max; three [16, 64] chunks: one warp's instruction latency,
-one program per SM: a stage-A job that shared an SM took 7.2-7.7), the arrival ~1.0 us more
-(with the partial sums in 4 accumulator copies; 1.9 with one), then the merge 1.8 us after the
-last arrival (one round trip for its block and bias loads, gates and softmax, Sinkhorn's rounds
-~0.7 us on factors; ~0.8 us of it is special-function work, 193 MUFU instructions a warp, so two
-merges on one SM take 2.4-2.7 us each: stop20_experiments.json, call 3), the rescale jobs
-ending beside it (two [16, 512] blocks loaded with sum(c^2) in one round trip: rescale_at_once;
-the merges end at 7.4 us, the rescale jobs at 7.1 median, 7.3 max); the launch itself ~0.8 us
-more with PDL (an empty kernel of 128 programs: 0.59 us in graph replay, 1.16 launched
-cooperatively, stop16_experiments.json); at T=4096 the stage-A jobs
-end at 121-127 us, the merges at 126-130 and the rescale jobs at 136-143 (the parked collapse is
-re-read, much of it from HBM). Within stage A (tools/bench_mhc.py --leave-out, which times the
-launch with each of LEAVE_OUT_PARTS compiled out; measured before the paired conversions and
-sub-tiles): the projection dots cost the most at every T (3.1 of 6.1 us at T=64, 9.4 of 21.8 at
-T=512, 24 of 145 at T=4096), then fn's loads.
+Measured (H200, results/bench_mhc.json, stop 20's run): CUDA-graph replay 4.7 / 8.0 / 23.9 / 146 us
+at T = 1 / 64 / 512 / 4096 (with fn's pieces given: 4.8 / 7.8 / 23.3 / 148) against 61 / 95 / 300 /
+1771 us for the same chain under torch.compile; in one process the late PDL wait (_begin) took T=64
+from 8.37 to 7.96 us and T=1 from 4.94 to 4.67 (stop20_experiments.json, call 5). Instances differ
+(the stop-11 kernel measured 10.4 us at T=64 on one, 12.0 on another), and so do the persistent
+buffers' addresses: the T=64 launch measured 8.15-8.48 us over six placements in one process
+(stop19_experiments.json). Where the time goes (tools/bench_mhc.py --trace: %globaltimer per
+program, after the first start; stop 19's run, bench_mhc_runs/stop19_bench.log): at T=1 (hand-off,
+no claim) stage A done 1.6-2.1 us, arrived 2.4-2.9 (the release fence waits for the partial-sum
+atomics), rescale done 3.4-3.7, coefficients + Sinkhorn done 4.7 (the last program); at T=64
+(co-resident, MONOTONIC) stage A takes 4.45 us (median, 4.74 max; three [16, 64] chunks: one warp's
+instruction latency, one program per SM: a stage-A job that shared an SM took 7.2-7.7), the arrival
+~1.0 us more (with the partial sums in 4 accumulator copies; 1.9 with one), then the merge 1.8 us
+after the last arrival (one round trip for its block and bias loads, gates and softmax, Sinkhorn's
+rounds ~0.7 us on factors; ~0.8 us of it is special-function work, 193 MUFU instructions a warp, so
+two merges on one SM take 2.4-2.7 us each: stop20_experiments.json, call 3), the rescale jobs ending
+beside it (two [16, 512] blocks loaded with sum(c^2) in one round trip: rescale_at_once; the merges
+end at 7.4 us, the rescale jobs at 7.1 median, 7.3 max); the launch itself ~0.8 us more with PDL (an
+empty kernel of 128 programs: 0.59 us in graph replay, 1.16 launched cooperatively,
+stop16_experiments.json); at T=4096 the stage-A jobs end at 121-127 us, the merges at 126-130 and
+the rescale jobs at 136-143 (the parked collapse is re-read, much of it from HBM). Within stage A
+(tools/bench_mhc.py --leave-out, which times the launch with each of LEAVE_OUT_PARTS compiled out;
+measured before the paired conversions and sub-tiles): the projection dots cost the most at every T
+(3.1 of 6.1 us at T=64, 9.4 of 21.8 at T=512, 24 of 145 at T=4096), then fn's loads.
 Launching outside a CUDA graph costs 0.1-0.3 ms of host time per call on that machine (Triton's
 launcher with ~30 arguments plus this wrapper): use it under CUDA graphs.
 """
@@ -1759,9 +1757,10 @@ class LaunchConfig:
 #          is pipelined 3 deep (rescale_stages): its jobs' two blocks took 1.7 us after their
 #          1/rms and end 0.4 us sooner that way, which leaves the merge the launch's only critical
 #          path; in one process 9.58 against 9.64 us (stop14_experiments.json; 10 rescale jobs a
-#          tile with it 11.90). Stop 20 (stop20_experiments.json, against this row's 8.16-8.21): one-chunk
-#          jobs at three programs per SM 8.59 (two tiles' merges met on one SM), two-chunk jobs 9.57,
-#          32-column chunks 10.09, 32-token tiles as two sub-tiles 9.16, pipelined 2 deep 8.65
+#          tile with it 11.90). Stop 20 (stop20_experiments.json, against this row's
+#          8.16-8.21): one-chunk jobs at three programs per SM 8.59 (two tiles' merges met on one
+#          SM), two-chunk jobs 9.57, 32-column chunks 10.09, 32-token tiles as two sub-tiles 9.16,
+#          pipelined 2 deep 8.65
 #   T=512  32 tiles x 8 slices + 5 rescale jobs a tile    24.72 us (10 rescale jobs a tile 25.09, 4
 #          (two 512-column blocks each), pipelined 3 deep       25.29, 2 deep 35.5, 12 chunks a
 #                                                                slice 27.95, fn split first 26.6,
