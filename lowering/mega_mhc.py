@@ -143,9 +143,10 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json, stop 20's run): CUDA-graph replay 4.7 / 8.0 / 23.9 / 146 us
-at T = 1 / 64 / 512 / 4096 (with fn's pieces given: 4.8 / 7.8 / 23.3 / 148) against 61 / 95 / 300 /
-1771 us for the same chain under torch.compile; in one process the late PDL wait (_begin) took T=64
+Measured (H200, results/bench_mhc.json, stop 21's run of stop 20's code): CUDA-graph replay 4.7 /
+8.1 / 24.0 / 147 us at T = 1 / 64 / 512 / 4096 (with fn's pieces given: 4.8 / 7.8 / 23.2 / 148)
+against 61 / 94 / 300 / 1768 us for the same chain under torch.compile (stop 20's run: 4.7 / 8.0 /
+23.9 / 146; T=64 7.88-8.06 over four instances); in one process the late PDL wait (_begin) took T=64
 from 8.37 to 7.96 us and T=1 from 4.94 to 4.67 (stop20_experiments.json, call 5). Instances differ
 (the stop-11 kernel measured 10.4 us at T=64 on one, 12.0 on another), and so do the persistent
 buffers' addresses: the T=64 launch measured 8.15-8.48 us over six placements in one process
@@ -157,7 +158,9 @@ atomics), rescale done 3.4-3.7, coefficients + Sinkhorn done 4.7 (the last progr
 instruction latency, one program per SM: a stage-A job that shared an SM took 7.2-7.7), the arrival
 ~1.0 us more (with the partial sums in 4 accumulator copies; 1.9 with one), then the merge 1.8 us
 after the last arrival (one round trip for its block and bias loads, gates and softmax, Sinkhorn's
-rounds ~0.7 us on factors; ~0.8 us of it is special-function work, 193 MUFU instructions a warp, so
+rounds ~0.7 us on factors, ~49 instructions a round of the merge's ~1270 a warp: bound by issue
+and latency, since moving Sinkhorn's reciprocals from MUFU to the FMA pipe made it slower,
+stop21_experiments.json;
 two merges on one SM take 2.4-2.7 us each: stop20_experiments.json, call 3), the rescale jobs ending
 beside it (two [16, 512] blocks loaded with sum(c^2) in one round trip: rescale_at_once; the merges
 end at 7.4 us, the rescale jobs at 7.1 median, 7.3 max); the launch itself ~0.8 us more with PDL (an
@@ -1677,7 +1680,9 @@ class LaunchConfig:
                  cooperative grid (CUDA refuses one that cannot be resident) and take job = program
                  id, instead of every program claiming its job with an atomic on one counter
                  first (the claims of a launch serialise there: the last came 0.45 us after the
-                 first start at T=64); False: always claim. See "forward progress"
+                 first start at T=64); False: always claim. See "forward progress". The same
+                 T=64 build launched plainly (not cooperatively; unsafe, an experiment) measured
+                 8.52 against 8.04 us (results/bench_mhc_runs/stop21_experiments.json, call 3)
     handoff      split variant with epilogue jobs and a carried pre (at most MAX_HANDOFF_PARTS
                  rescale jobs a tile), any device: job = program id, with neither a claim nor a
                  cooperative launch (co_resident is not consulted), and a rescale job that has
