@@ -160,10 +160,10 @@ instruction latency, one program per SM: a stage-A job that shared an SM took 7.
 after the last arrival (one round trip for its block and bias loads, gates and softmax, Sinkhorn's
 rounds ~0.7 us on factors, ~49 instructions a round of the merge's ~1270 a warp: bound by issue
 and latency, since moving Sinkhorn's reciprocals from MUFU to the FMA pipe made it slower,
-stop21_experiments.json;
-two merges on one SM take 2.4-2.7 us each: stop20_experiments.json, call 3), the rescale jobs ending
-beside it (two [16, 512] blocks loaded with sum(c^2) in one round trip: rescale_at_once; the merges
-end at 7.4 us, the rescale jobs at 7.1 median, 7.3 max); the launch itself ~0.8 us more with PDL (an
+stop21_experiments.json; two merges on one SM take 2.4-2.7 us each: stop20_experiments.json, call
+3), the rescale jobs ending beside it (two [16, 512] blocks loaded with sum(c^2) in one round trip:
+rescale_at_once; the merges end at 7.4 us, the rescale jobs at 7.1 median, 7.3 max); the launch
+itself ~0.8 us more with PDL (an
 empty kernel of 128 programs: 0.59 us in graph replay, 1.16 launched cooperatively,
 stop16_experiments.json); at T=4096 the stage-A jobs end at 121-127 us, the merges at 126-130 and
 the rescale jobs at 136-143 (the parked collapse is re-read, much of it from HBM). Within stage A
@@ -845,6 +845,14 @@ def _wait(counter_ptr, target, MAX_SPINS: tl.constexpr, MASK: tl.constexpr):
 
 
 @triton.jit
+def _await_predecessor():
+    """PDL: wait until the stream's previous kernel's writes are visible (griddepcontrol.wait),
+    then let the next kernel be scheduled in turn."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _begin(WAIT: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
     """WAIT (a PDL launch whose jobs need no memory to be known): this program's first memory
     access comes next, so wait for the previous kernel's writes (griddepcontrol.wait), let the next
@@ -852,8 +860,7 @@ def _begin(WAIT: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
     arithmetic on program ids and arguments, which overlaps the previous kernel's end (T=64, sm_90:
     ~45 instructions of the stage-A jobs' set-up moved ahead of the wait)."""
     if WAIT:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        _await_predecessor()
         _stamp(trace_ptr, EV_START, TRACE)
         _stamp(trace_ptr, EV_CLAIMED, TRACE)
 
@@ -946,8 +953,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
     LATE: tl.constexpr = PDL and not CLAIMED
     if not LATE:
         if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            _await_predecessor()
         _stamp(trace_ptr, EV_START, TRACE)
     if N_SPLITS == 1:
         # tiled: one program per token tile, nothing shared
