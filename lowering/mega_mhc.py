@@ -542,7 +542,7 @@ $SUB_FINISH
 
 
 @triton.jit
-def _add_partials(acc_ptr, csq_slot, tile, acc_copy, rows64, row_ok, acc, sumsq, csq, TILE_T: tl.constexpr,
+def _add_partials(acc_ptr, csq_slot, T, tile, acc_copy, rows64, row_ok, acc, sumsq, csq, TILE_T: tl.constexpr,
                   ACC_COPIES: tl.constexpr, ATOMIC: tl.constexpr, CSQ_SLOT: tl.constexpr):
     """Add one sub-tile's partial sums into its tokens of copy `acc_copy` of the tile's accumulator
     block (_acc_block): [SUB_T, SLOT] of the projections, with sum X'^2 and sum c^2 in their columns.
@@ -555,9 +555,16 @@ def _add_partials(acc_ptr, csq_slot, tile, acc_copy, rows64, row_ok, acc, sumsq,
         # plain stores, published by the arrival (a release) like the atomics
         tl.store(csq_slot + (rows64 - tile * TILE_T), csq, mask=row_ok)
     if ATOMIC:
-        # relaxed: the tile's arrival (a release) publishes them
+        # relaxed: the tile's arrival (a release) publishes them. Masked by quads of tokens, not
+        # tokens: a mask constant over each thread's four consecutive tokens of a column lets
+        # them go as one vector atomic (sm_90 red.global.add.v4.f32: a quarter of the atomics
+        # the L2 serves; T=64 7.90 against 8.45 us, T=512 23.5 against 24.0, same instance,
+        # results/bench_mhc_runs/stop22_experiments.json). The padding tokens a quad adds are
+        # zeros (stage A's loads mask them) and the merge clears the whole block; masking whole
+        # quads past T keeps T=1's atomics as few as before (all 16 tokens: 5.17 against 4.73)
+        quad_ok = (rows64 // 4) * 4 < T
         added = CSQ_COL - 1 if CSQ_SLOT else CSQ_COL  # (CSQ_COL is the last column of partial sums)
-        tl.atomic_add(acc_ptr + offs, part, mask=row_ok[:, None] & (cols <= added), sem="relaxed")
+        tl.atomic_add(acc_ptr + offs, part, mask=quad_ok[:, None] & (cols <= added), sem="relaxed")
     else:
         tl.store(acc_ptr + offs, part, mask=row_ok[:, None])
 
@@ -1542,7 +1549,7 @@ def generate_source(spec: MhcSpec) -> str:
 
     def sub_finish(sfx: str) -> list[str]:
         acc = _tree_sum([f"acc_{k}{sfx}" for k in range(2)])
-        return [f"_add_partials(acc_ptr, csq_slot, tile, acc_copy, rows64{sfx}, row_ok{sfx}, {acc}, sumsq{sfx}, "
+        return [f"_add_partials(acc_ptr, csq_slot, T, tile, acc_copy, rows64{sfx}, row_ok{sfx}, {acc}, sumsq{sfx}, "
                 f"csq{sfx}, TILE_T, ACC_COPIES, ATOMIC, CSQ_SLOT)"]
 
     def widen_lines(sfx: str) -> list[str]:  # the rounded X' in fp32, as every later step reads it
