@@ -143,11 +143,13 @@ pool. A captured launch is replay-safe (tools/bench_mhc.py checks replays on new
 launches on two streams of one device must not run concurrently (they share the persistent
 state); stream-ordered use, as Inductor emits, is fine.
 
-Measured (H200, results/bench_mhc.json, stop 21's run of stop 20's code): CUDA-graph replay 4.7 /
-8.1 / 24.0 / 147 us at T = 1 / 64 / 512 / 4096 (with fn's pieces given: 4.8 / 7.8 / 23.2 / 148)
-against 61 / 94 / 300 / 1768 us for the same chain under torch.compile (stop 20's run: 4.7 / 8.0 /
-23.9 / 146; T=64 7.88-8.06 over four instances); in one process the late PDL wait (_begin) took T=64
-from 8.37 to 7.96 us and T=1 from 4.94 to 4.67 (stop20_experiments.json, call 5). Instances differ
+Measured (H200, results/bench_mhc.json, stop 22's run): CUDA-graph replay 4.67 / 7.85 / 23.7 /
+144 us at T = 1 / 64 / 512 / 4096 (with fn's pieces given: 4.7 / 7.6 / 23.2 / 146) against 61 / 93
+/ 300 / 1783 us for the same chain under torch.compile (stop 21's run: 4.7 / 8.1 / 24.0 / 147; its
+code measured T=64 7.88-8.45 in ten timings); in one process stage A's vector atomics (_add_partials)
+took T=64 from 8.45 to 7.90 us and T=512 from 24.0 to 23.5 (stop22_experiments.json, call 5), and
+the late PDL wait (_begin) took T=64 from 8.37 to 7.96 us and T=1 from 4.94 to 4.67
+(stop20_experiments.json, call 5). Instances differ
 (the stop-11 kernel measured 10.4 us at T=64 on one, 12.0 on another), and so do the persistent
 buffers' addresses: the T=64 launch measured 8.15-8.48 us over six placements in one process
 (stop19_experiments.json). Where the time goes (tools/bench_mhc.py --trace: %globaltimer per
@@ -156,7 +158,8 @@ no claim) stage A done 1.6-2.1 us, arrived 2.4-2.9 (the release fence waits for 
 atomics), rescale done 3.4-3.7, coefficients + Sinkhorn done 4.7 (the last program); at T=64
 (co-resident, MONOTONIC) stage A takes 4.45 us (median, 4.74 max; three [16, 64] chunks: one warp's
 instruction latency, one program per SM: a stage-A job that shared an SM took 7.2-7.7), the arrival
-~1.0 us more (with the partial sums in 4 accumulator copies; 1.9 with one), then the merge 1.8 us
+~1.0 us more (with the partial sums in 4 accumulator copies; 1.9 with one; 0.8 with stop 22's
+vector atomics, whose release fence waits ~0.4 us), then the merge 1.8 us
 after the last arrival (one round trip for its block and bias loads, gates and softmax, Sinkhorn's
 rounds ~0.7 us on factors, ~49 instructions a round of the merge's ~1270 a warp: bound by issue
 and latency, since moving Sinkhorn's reciprocals from MUFU to the FMA pipe made it slower,
