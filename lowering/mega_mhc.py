@@ -355,6 +355,9 @@ TILE_ARRIVE = tl.constexpr(0)         # MONOTONIC: a token tile's int64 counters
 TILE_RESCALE = tl.constexpr(1)        #   rescale jobs' tickets
 COUNT_MASK = tl.constexpr($COUNT_MASK)  # a sync word's count; HANDOFF: in ARRIVE_A above the count,
 HANDOFF_SHIFT = tl.constexpr($HANDOFF_SHIFT)  # bit HANDOFF_SHIFT + p: the tile's rescale part p handed off
+# stage A's accumulator atomics are masked per ATOMIC_QUAD consecutive tokens (a thread's run of a
+# column in the layout Triton gives them), so that each run goes as one vector atomic (_add_partials)
+ATOMIC_QUAD = tl.constexpr(4)
 
 # LEAVE_OUT bits (timing diagnostic only: see LEAVE_OUT_PARTS in megafuse.lowering.mega_mhc)
 $LEAVE_CONSTANTS
@@ -558,14 +561,15 @@ def _add_partials(acc_ptr, csq_slot, T, tile, acc_copy, rows64, row_ok, acc, sum
         # plain stores, published by the arrival (a release) like the atomics
         tl.store(csq_slot + (rows64 - tile * TILE_T), csq, mask=row_ok)
     if ATOMIC:
-        # relaxed: the tile's arrival (a release) publishes them. Masked by quads of tokens, not
-        # tokens: a mask constant over each thread's four consecutive tokens of a column lets
-        # them go as one vector atomic (sm_90 red.global.add.v4.f32: a quarter of the atomics
-        # the L2 serves; T=64 7.90 against 8.45 us, T=512 23.5 against 24.0, same instance,
+        # relaxed: the tile's arrival (a release) publishes them. Masked by quads of tokens
+        # (ATOMIC_QUAD), not tokens: a mask constant over each thread's four consecutive tokens
+        # of a column lets them go as one vector atomic (sm_90 red.global.add.v4.f32: a quarter
+        # of the atomics the L2 serves; with every token unmasked, the same atomics where T fills
+        # its tiles, T=64 7.90 against 8.45 us and T=512 23.5 against 24.0 in one instance,
         # results/bench_mhc_runs/stop22_experiments.json). The padding tokens a quad adds are
         # zeros (stage A's loads mask them) and the merge clears the whole block; masking whole
         # quads past T keeps T=1's atomics as few as before (all 16 tokens: 5.17 against 4.73)
-        quad_ok = (rows64 // 4) * 4 < T
+        quad_ok = (rows64 // ATOMIC_QUAD) * ATOMIC_QUAD < T
         added = CSQ_COL - 1 if CSQ_SLOT else CSQ_COL  # (CSQ_COL is the last column of partial sums)
         tl.atomic_add(acc_ptr + offs, part, mask=quad_ok[:, None] & (cols <= added), sem="relaxed")
     else:
