@@ -1,8 +1,9 @@
 """Mega-Gate: the MoE router chain in one generated Triton launch.
 
-    logits = u @ W^T                 [T, E], fp32 accumulate
-    score  = score_func(logits)      sqrtsoftplus | sigmoid | softmax (over the E real experts)
-    choice = score (+ bias)          the bias steers the selection only
+    logits = u @ W^T                 [T, E], fp32 accumulate (rounded to logits_dtype)
+    score  = score_func(logits)      sqrtsoftplus | sigmoid | softmax (over the E real experts),
+                                     each op's result rounded to score_dtype
+    choice = score (+ bias)          the bias steers the selection only (rounded to choice_dtype)
     ids    = top-k of choice         descending; ties resolve to the lowest expert index
     w      = score[ids] (/ (sum + eps)) (* scale)
 
@@ -47,8 +48,14 @@ A grid no larger than the SM count is resident all at once (any launchable kerne
 per SM), so there the program id is the job number and the claim atomic is skipped.
 
 Numerics: fp32 x fp32 runs `tl.dot(input_precision=spec.precision)` ("tf32x3" by default: fp32-level
-accuracy on tensor cores; "ieee" exact fp32 FMA; "tf32" only by explicit choice); bf16 x bf16 is a
-bf16 dot with fp32 accumulate; mixed dtypes upcast to fp32. With D in more than 2 slices the fp32
+accuracy on tensor cores; "ieee" exact fp32 FMA; "tf32" only by explicit choice); bf16 x bf16 and
+fp16 x fp16 are a 16-bit dot with fp32 accumulate; mixed dtypes upcast to fp32 (exactly). Everything
+after the GEMM runs in fp32, rounded where a chain written in a 16-bit dtype rounds: the logits
+to `logits_dtype` (the GEMM's output), each scoring op's result to `score_dtype` (torch computes a
+bf16 sigmoid in fp32 and rounds its result once; a bf16 sqrt(softplus) rounds twice), the biased
+choice to `choice_dtype`. Rounding the same fp32 values the same way selects the same experts
+as the chain; renormalisation and scale stay fp32 (the pass casts the weights to the chain's
+dtype at the end). With D in more than 2 slices the fp32
 atomic sums arrive in a run-dependent order, so logits may differ in the last bit between runs
 (two slices commute exactly: 0 + a + b == 0 + b + a). Ties in the *computed* choice always resolve
 to the lowest expert index.
@@ -81,9 +88,11 @@ import triton.language  # noqa: F401  (import Triton before any kernel module: s
 from model.moe import route
 
 from . import kernel_cache
+from .launch import PreparedLaunches, layout_key
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TL_DTYPES = {"bfloat16": "tl.bfloat16", "float16": "tl.float16"}
 PRECISIONS = ("ieee", "tf32x3", "tf32")
 MAX_K = 16
 MAX_EXPERTS = 1024
@@ -109,9 +118,14 @@ class GateSpec:
     input_dtype: str
     weight_dtype: str
     precision: str = "tf32x3"
-    # dtype the chain's GEMM wrote its logits in: a bf16 GEMM rounds them to bf16 before scoring,
-    # and the kernel must round the same way to select the same experts
+    # Where the chain rounds (see Numerics): the kernel must round the same way to select the same
+    # experts. logits_dtype: what the chain's GEMM wrote its logits in (a bf16 GEMM rounds them);
+    # score_dtype: what each scoring op rounds its result to; choice_dtype: what score + bias (or
+    # the score alone) is rounded to before the top-k; bias_dtype: the bias tensor's dtype.
     logits_dtype: str = "float32"
+    bias_dtype: str = "float32"
+    score_dtype: str = "float32"
+    choice_dtype: str = "float32"
 
     def key(self) -> str:
         """Short stable hash of the spec and of the generator's template (file names, memo keys)."""
@@ -128,18 +142,24 @@ class GateSpec:
         return d
 
     def _dot_kind(self) -> str:
-        if self.input_dtype == self.weight_dtype == "bfloat16":
-            return "bf16 x bf16 -> fp32 accumulate"
+        if _half_dot(self):
+            return f"{self.input_dtype} x {self.weight_dtype} -> fp32 accumulate"
         return f"fp32 x fp32 ({self.precision}) -> fp32 accumulate"
+
+
+def _half_dot(spec: GateSpec) -> bool:
+    """Both GEMM operands in one 16-bit dtype: a 16-bit dot (products exact in fp32)."""
+    return spec.input_dtype == spec.weight_dtype and spec.input_dtype in _TL_DTYPES
 
 
 def unsupported_reason(spec: GateSpec) -> str | None:
     """None if the generator handles `spec`, else a sentence saying why not (for the pass report)."""
     if spec.score_func not in SCORE_FUNCS:
         return f"score function {spec.score_func!r} is not one of {', '.join(SCORE_FUNCS)}"
-    for what, dtype in (("input", spec.input_dtype), ("weight", spec.weight_dtype), ("logits", spec.logits_dtype)):
+    for what, dtype in (("input", spec.input_dtype), ("weight", spec.weight_dtype), ("logits", spec.logits_dtype),
+                        ("bias", spec.bias_dtype), ("score", spec.score_dtype), ("choice", spec.choice_dtype)):
         if dtype not in DTYPES:
-            return f"{what} dtype {dtype!r} is not supported (float32 or bfloat16 only)"
+            return f"{what} dtype {dtype!r} is not supported (float32, bfloat16 or float16 only)"
     if spec.precision not in PRECISIONS:
         return f"GEMM precision {spec.precision!r} is not one of {', '.join(PRECISIONS)}"
     if not 1 <= spec.n_experts <= MAX_EXPERTS:
@@ -212,6 +232,33 @@ def _maximum(a, b):
 @triton.jit
 def _add(a, b):
     return a + b
+
+
+# Rounding an fp32 value to a 16-bit dtype and back, as torch's casts do (to nearest, ties to even),
+# in integer arithmetic: `.to(tl.bfloat16)` rounds so on the GPU, but the interpreter's cast
+# truncates, and the CPU tests must select exactly what the chain selects.
+@triton.jit
+def _round_bfloat16(x):
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(x == x, rounded, x)  # NaN stays NaN
+
+
+@triton.jit
+def _round_float16(x):
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0xFFF + ((bits >> 13) & 1)) & -8192).to(tl.float32, bitcast=True)  # 10 mantissa bits
+    magnitude = tl.where(x < 0, -x, x)
+    subnormal = (magnitude + 0.5) - 0.5  # below 2^-14 fp16 steps by 2^-24: fp32's step in [0.5, 1)
+    rounded = tl.where(magnitude < 6.103515625e-05, tl.where(x < 0, -subnormal, subnormal), normal)
+    rounded = tl.where(rounded > 65504.0, float("inf"), tl.where(rounded < -65504.0, float("-inf"), rounded))
+    return tl.where(x == x, rounded, x)
+
+
+@triton.jit
+def _round_score(x):
+    """A scoring op's fp32 result, rounded as the chain rounds it (spec score_dtype)."""
+    return $ROUND_SCORE
 
 
 @triton.jit
@@ -379,14 +426,15 @@ _SCORES = {
         "    e = tl.exp(logits)\n"
         "    one_plus = 1.0 + e\n"
         "    log1p_e = tl.where(one_plus == 1.0, e, tl.log(one_plus) * (e / (one_plus - 1.0)))\n"
-        "    return tl.sqrt_rn(tl.where(logits > 20.0, logits, log1p_e))",
+        "    softplus = ROUND(tl.where(logits > 20.0, logits, log1p_e))  # two ops: two roundings\n"
+        "    return ROUND(tl.sqrt_rn(softplus))",
         "", "sqrt(softplus(logits))"),
     "sigmoid": (
-        "    return 1.0 / (1.0 + tl.exp(-logits))",
+        "    return ROUND(1.0 / (1.0 + tl.exp(-logits)))",
         "", "sigmoid(logits)"),
     "softmax": (
         "    # softmax over the real experts, from the row's max and sum of exp (computed by the caller)\n"
-        "    return tl.exp(logits - row_max) / row_sum",
+        "    return ROUND(tl.exp(logits - row_max) / row_sum)",
         ", row_max, row_sum", "softmax(logits) over the real experts"),
 }
 
@@ -405,20 +453,21 @@ def generate_source(spec: GateSpec) -> str:
     if reason:
         raise ValueError(f"mega_gate cannot generate this spec: {reason}")
     body, score_args, score_doc = _SCORES[spec.score_func]
+    body = body.replace("ROUND(", "_round_score(")  # a no-op unless the chain scores in a 16-bit dtype
 
     # GEMM: dtype handling and dot precision
-    bf16_dot = spec.input_dtype == spec.weight_dtype == "bfloat16"
+    half_dot = _half_dot(spec)
     casts = []
-    if not bf16_dot:
+    if not half_dot:
         for name, dtype in (("a", spec.input_dtype), ("b", spec.weight_dtype)):
             if dtype != "float32":
-                casts.append(f"        {name} = {name}.to(tl.float32)  # mixed dtypes: upcast, fp32 GEMM")
-    if bf16_dot:
-        casts = ["        if INTERPRETED:  # numpy's dot cannot multiply bf16; bf16 products are exact in fp32",
+                casts.append(f"        {name} = {name}.to(tl.float32)  # mixed dtypes: upcast (exact), fp32 GEMM")
+    if half_dot:
+        casts = ["        if INTERPRETED:  # numpy cannot dot bf16 (nor accumulate fp16 in fp32); 16-bit products are exact in fp32",
                  "            a = a.to(tl.float32)",
                  "            b = b.to(tl.float32)"]
-        dot = "        acc = tl.dot(a, tl.trans(b), acc)  # bf16 x bf16 on tensor cores, fp32 accumulate"
-        dot_doc = "bf16 x bf16, fp32 accumulate"
+        dot = f"        acc = tl.dot(a, tl.trans(b), acc)  # {spec.input_dtype} on tensor cores, fp32 accumulate"
+        dot_doc = f"{spec.input_dtype} x {spec.weight_dtype}, fp32 accumulate"
     else:
         note = {"tf32x3": "3xTF32: fp32-level accuracy on tensor cores",
                 "ieee": "exact fp32 FMA", "tf32": "plain TF32 (explicit opt-in)"}[spec.precision]
@@ -440,12 +489,18 @@ def generate_source(spec: GateSpec) -> str:
         score_lines = "    score = _score(logits)"
         gather = "    weights = _score(sel_logits)"
     if spec.has_bias:
-        choice_lines = ("    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)\n"
+        upcast = ".to(tl.float32)" if spec.bias_dtype != "float32" else ""
+        choice_lines = (f"    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0){upcast}\n"
                         "    choice = score + bias[None, :]  # the bias steers the selection only")
         choice_doc = "score + bias"
     else:
         choice_lines = "    choice = score"
         choice_doc = "score"
+    if spec.choice_dtype != "float32":
+        choice_lines += f"\n    choice = {_rounded('choice', spec.choice_dtype)}  # the chain's choice is {spec.choice_dtype}"
+        choice_doc += f", rounded to {spec.choice_dtype}"
+    if spec.score_dtype != "float32":
+        score_doc += f", each op rounded to {spec.score_dtype}"
     weight_doc = "score[ids]"
     renorm_lines = ""
     if spec.renorm:
@@ -463,9 +518,10 @@ def generate_source(spec: GateSpec) -> str:
         weight_doc += f" * {_fmt_float(spec.scale)}"
 
     round_logits = round_sel = ""
-    if spec.logits_dtype == "bfloat16":
-        round_logits = "    logits = logits.to(tl.bfloat16).to(tl.float32)  # the chain's GEMM wrote bf16 logits\n"
-        round_sel = "    sel_logits = sel_logits.to(tl.bfloat16).to(tl.float32)\n"
+    if spec.logits_dtype != "float32":
+        round_logits = (f"    logits = {_rounded('logits', spec.logits_dtype)}  "
+                        f"# the chain's GEMM wrote {spec.logits_dtype} logits\n")
+        round_sel = f"    sel_logits = {_rounded('sel_logits', spec.logits_dtype)}\n"
 
     spec_line = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(spec).items())
     return _TEMPLATE.substitute(
@@ -475,7 +531,12 @@ def generate_source(spec: GateSpec) -> str:
         CHOICE_DOC=choice_doc, WEIGHT_DOC=weight_doc, DOT_LINES=dot_lines,
         SCORE_LINES=score_lines, CHOICE_LINES=choice_lines, GATHER_LINES=gather,
         RENORM_LINES=renorm_lines, SCALE_LINES=scale_lines, ROUND_LOGITS=round_logits,
-        ROUND_SEL_LOGITS=round_sel)
+        ROUND_SEL_LOGITS=round_sel, ROUND_SCORE=_rounded("x", spec.score_dtype))
+
+
+def _rounded(expr: str, dtype: str) -> str:
+    """Triton for `expr` (fp32) rounded to `dtype` and back: where a chain in that dtype rounds."""
+    return expr if dtype == "float32" else f"_round_{dtype}({expr})"
 
 
 def kernel_name(spec: GateSpec) -> str:
@@ -664,7 +725,9 @@ def load(spec: GateSpec, interpret: bool):
     return kernel
 
 
-def _validate(u, weight, bias, spec: GateSpec) -> None:
+def validate(u, weight, bias, spec: GateSpec) -> None:
+    """Raise ValueError if the launcher must refuse these inputs; shapes, dtypes and devices only,
+    so the pass runs it on a match's fake tensors (an unfused chain, never a run-time error)."""
     reason = unsupported_reason(spec)
     if reason:
         raise ValueError(f"mega_gate: unsupported spec: {reason}")
@@ -679,8 +742,9 @@ def _validate(u, weight, bias, spec: GateSpec) -> None:
     if spec.has_bias:
         if bias is None:
             raise ValueError("mega_gate: spec has_bias=True but bias is None")
-        if tuple(bias.shape) != (spec.n_experts,) or bias.dtype != torch.float32:
-            raise ValueError(f"mega_gate: bias must be float32 [{spec.n_experts}], got {bias.dtype} {list(bias.shape)}")
+        if tuple(bias.shape) != (spec.n_experts,) or bias.dtype != DTYPES[spec.bias_dtype]:
+            raise ValueError(f"mega_gate: bias must be {spec.bias_dtype} [{spec.n_experts}], "
+                             f"got {bias.dtype} {list(bias.shape)}")
         if bias.device != u.device:
             raise ValueError(f"mega_gate: bias is on {bias.device}, u on {u.device}")
     elif bias is not None:
@@ -696,51 +760,87 @@ def mega_gate(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     `variant` forces "split" or "tiled" (default: chosen from T); `config` overrides the tiling
     entirely (benchmark sweeps). Fresh outputs; the inputs are not modified.
     """
-    _validate(u, weight, bias, spec)
+    # a repeat of an earlier call's layout (every layer, every step) launches with that call's
+    # decisions (lowering.launch); forced variants and configs always take the whole path
+    kept_key = None
+    if u.is_cuda and variant is None and config is None:
+        kept_key = (spec, layout_key(u, weight, bias))
+        kept = _kept.get(kept_key)
+        if kept is not None:
+            weights, ids = _gate_outputs(spec, u.shape[0], u.device)
+            if u.shape[0]:
+                u, weight, bias = _row_major(u, weight, bias)
+                kept(*_kernel_args(u, weight, bias, weights, ids, spec, kept.decisions["cfg"]))
+            return weights, ids
+    validate(u, weight, bias, spec)
     T, device = u.shape[0], u.device
-    weights = torch.empty((T, spec.k), dtype=torch.float32, device=device)
-    ids = torch.empty((T, spec.k), dtype=torch.int64, device=device)
+    weights, ids = _gate_outputs(spec, T, device)
     if T == 0:
         return weights, ids
-    if u.stride(1) != 1:
-        u = u.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
+    u, weight, bias = _row_major(u, weight, bias)
     cfg = config or choose_config(spec, T, device=device, variant=variant)
-    e_pad = _next_pow2(spec.n_experts)
-    n_t_tiles = -(-T // cfg.block_t)
-    n_e_chunks = -(-spec.n_experts // cfg.block_e)
-    n_d_splits = -(-spec.hidden // cfg.d_per_split)
     if cfg.d_per_split % cfg.block_d or cfg.block_t % cfg.epi_rows:
         raise ValueError(f"mega_gate: inconsistent launch config {cfg}")
-    split = n_d_splits > 1
-    sync, persistent_ws = _state_buffers(device, n_t_tiles, T * e_pad if split else 0)
-    # The tiled variant stores every workspace element it reads, so a fresh (uninitialised)
-    # buffer will do; the split variant accumulates into the persistent all-zero one.
-    ws = persistent_ws if split else torch.empty(T * e_pad, dtype=torch.float32, device=device)
-    n_epi_jobs = -(-T // cfg.epi_rows)
-    grid = (n_t_tiles * n_e_chunks * n_d_splits + n_epi_jobs,)
+    args = _kernel_args(u, weight, bias, weights, ids, spec, cfg)
     interpret = device.type != "cuda"
+    sync, n_t_tiles, n_epi_jobs = args[6], args[-2], args[-1]
     if interpret and bool(sync.any()):  # host memory: checking costs nothing (see reset_workspace)
         warnings.warn("mega_gate: sync state was left dirty by an aborted launch; resetting it")
         reset_workspace(device)
+    n_e_chunks = -(-spec.n_experts // cfg.block_e)
+    n_d_splits = -(-spec.hidden // cfg.d_per_split)
+    grid = (n_t_tiles * n_e_chunks * n_d_splits + n_epi_jobs,)
+    options = dict(
+        BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_D=cfg.block_d, D_PER_SPLIT=cfg.d_per_split,
+        N_E_CHUNKS=n_e_chunks, N_D_SPLITS=n_d_splits, MASK_D=spec.hidden % cfg.d_per_split != 0,
+        EPI_ROWS=cfg.epi_rows, CLAIM_JOBS=grid[0] > _num_sms(device), INTERPRETED=interpret,
+        MAX_SPINS=1 << 10 if interpret else 1 << 22,  # only a corrupted sync state spins that long
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = load(spec, interpret=interpret)
     on_device = contextlib.nullcontext() if interpret else torch.cuda.device(device)
     with on_device:  # Triton launches on the current device
-        kernel[grid](
-            u, weight, bias if bias is not None else weight, weights, ids, ws, sync,
-            T, u.stride(0), weight.stride(0), n_t_tiles, n_epi_jobs,
-            BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_D=cfg.block_d, D_PER_SPLIT=cfg.d_per_split,
-            N_E_CHUNKS=n_e_chunks, N_D_SPLITS=n_d_splits, MASK_D=spec.hidden % cfg.d_per_split != 0,
-            EPI_ROWS=cfg.epi_rows, CLAIM_JOBS=grid[0] > _num_sms(device), INTERPRETED=interpret,
-            MAX_SPINS=1 << 10 if interpret else 1 << 22,  # only a corrupted sync state spins that long
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        compiled = kernel[grid](*args, **options)
+    if kept_key is not None:
+        _kept.keep(kept_key, compiled, grid, kernel, options, device, cfg=cfg)
     return weights, ids
+
+
+_kept = PreparedLaunches()
+
+
+def forget_kept_launches() -> None:
+    """The next call of every layout takes the whole path again: validation, configuration and
+    Triton's JIT (lowering.launch)."""
+    _kept.clear()
+
+
+def _gate_outputs(spec: GateSpec, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty((T, spec.k), dtype=torch.float32, device=device),
+            torch.empty((T, spec.k), dtype=torch.int64, device=device))
+
+
+def _row_major(u, weight, bias):
+    """The inputs with unit-stride rows, as the kernel indexes them."""
+    return (u if u.stride(1) == 1 else u.contiguous(), weight if weight.stride(1) == 1 else weight.contiguous(),
+            None if bias is None else bias.contiguous())
+
+
+def _kernel_args(u, weight, bias, weights, ids, spec: GateSpec, cfg: LaunchConfig) -> tuple:
+    """The kernel's runtime arguments in its signature's order, with this launch's workspace: the
+    split variant accumulates into the persistent all-zero one; the tiled variant stores every
+    workspace element it reads, so a fresh (uninitialised) buffer will do."""
+    T, device = u.shape[0], u.device
+    e_pad = _next_pow2(spec.n_experts)
+    n_t_tiles = -(-T // cfg.block_t)
+    split = spec.hidden > cfg.d_per_split
+    sync, persistent_ws = _state_buffers(device, n_t_tiles, T * e_pad if split else 0)
+    ws = persistent_ws if split else torch.empty(T * e_pad, dtype=torch.float32, device=device)
+    return (u, weight, bias if bias is not None else weight, weights, ids, ws, sync,
+            T, u.stride(0), weight.stride(0), n_t_tiles, -(-T // cfg.epi_rows))
 
 
 def reference(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: GateSpec):
     """The torch reference of the fused op: `model.moe.route` with the spec's scalars."""
     return route(u, weight, bias, score_func=spec.score_func, k=spec.k, renorm=spec.renorm,
-                 scale=spec.scale, renorm_eps=spec.renorm_eps, logits_dtype=DTYPES[spec.logits_dtype])
+                 scale=spec.scale, renorm_eps=spec.renorm_eps, logits_dtype=DTYPES[spec.logits_dtype],
+                 score_dtype=DTYPES[spec.score_dtype], choice_dtype=DTYPES[spec.choice_dtype])

@@ -114,7 +114,9 @@ Numerics: every statistic is fp32 over the rounded values, as in the reference. 
 bf16 streams X' is exactly bf16, so fn is split into two bf16 pieces (hi + lo: 16 of fp32's 24
 mantissa bits) and two bf16 tensor-core dots accumulate in fp32; measured against the fp32 GEMM
 the coefficients differ by ~1e-7..2e-6 (relative L2, H200), the size of fp32 summation noise. With
-fp32 streams the dot runs 3xTF32 (`input_precision="tf32x3"`). Sinkhorn and the sigmoid gates
+fp32 streams the dot runs 3xTF32 (`input_precision="tf32x3"`); so it does with fp16 streams, on X''s
+widened (exact) fp32 copy (fp16 values are not bf16's), X' and c rounded to fp16 by `.to()`, to
+nearest even on the GPU and in the interpreter alike (fp16 is not tuned: no config is specific to it). Sinkhorn and the sigmoid gates
 multiply by a reciprocal (`rcp.approx` on the GPU: within an ulp of the division), and the merge's
 exp is `ex2.approx.ftz` (subnormal results flush to zero; every one then meets an eps >= 1e-20
 or a 1 +); other divisions are Triton's fp32 `/`. With LaunchConfig.sinkhorn_factors the rounds
@@ -192,8 +194,11 @@ import torch
 import triton.language  # noqa: F401  (import Triton before any kernel module: see kernel_cache)
 
 from . import kernel_cache, occupancy
+from .launch import PreparedLaunches, layout_key
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Stream dtypes (X', the collapse and u are rounded to it; every statistic is fp32). fp16 streams
+# take the fp32 projection (their widened X' against fp32 fn: fp16 values are not bf16's).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRE_MODES = ("carried", "fresh")
 _keys: dict = {}  # spec -> key(), memoised (the launch path asks for it on every call)
 KERNEL_NAME = "mega_mhc_kernel"
@@ -289,7 +294,7 @@ def unsupported_reason(spec: MhcSpec) -> str | None:
     if not isinstance(spec.dim, int) or spec.dim < 1:
         return f"hidden size {spec.dim!r} must be a positive integer"
     if spec.stream_dtype not in DTYPES:
-        return f"stream dtype {spec.stream_dtype!r} is not supported (float32 or bfloat16 only)"
+        return f"stream dtype {spec.stream_dtype!r} is not supported (one of {', '.join(DTYPES)})"
     if spec.pre not in PRE_MODES:
         return f"pre mode {spec.pre!r} is not one of {', '.join(PRE_MODES)}"
     if spec.pre == "fresh" and not spec.has_coefficients:
@@ -432,7 +437,7 @@ def _round(x, INTERPRETED: tl.constexpr):
             rounded = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $$0, $$2, $$1;", "=r,r,r", [x],
                                                 dtype=tl.bfloat16, is_pure=True, pack=2)
     else:
-        rounded = x
+        rounded = $ROUND_OTHER
     return rounded
 
 
@@ -1243,14 +1248,14 @@ _PROJECT_FP32 = '''\
 def _project(acc, xs, w, INTERPRETED: tl.constexpr):
     """acc [TILE_T, SLOT] += xs [TILE_T, BLOCK_D] @ w [BLOCK_D, SLOT]: one stream's chunk against
     the matching block of fn^T, fp32 x fp32 on tensor cores with 3xTF32 (big*big + big*small +
-    small*big): fp32-level accuracy."""
+    small*big): fp32-level accuracy.$PROJECT_FP16_NOTE"""
     acc = tl.dot(xs, w, acc, input_precision="tf32x3")
     return acc
 '''
 
 _GENERATOR_FINGERPRINT = hashlib.sha1(
     (_TEMPLATE.template + _CHUNK_BODY.template + _SUB_BODY.template + _PROJECT_BF16 + _PROJECT_FP32
-     + "gen-v8").encode()).hexdigest()
+     + "gen-v9").encode()).hexdigest()
 
 
 def _fmt_float(x: float) -> str:
@@ -1275,7 +1280,8 @@ def _constants(spec: MhcSpec) -> str:
         ("HAS_POST", spec.has_post, "apply the previous sublayer's post (else X' = X)"),
         ("HAS_COEFFS", spec.has_coefficients, "compute pre', post', comb' of the next site"),
         ("FRESH", spec.pre == "fresh", "collapse with pre' (V4) instead of the carried pre (V4.1)"),
-        ("IS_BF16", spec.stream_dtype == "bfloat16", "stream dtype bf16 (else fp32)"),
+        ("IS_BF16", spec.stream_dtype == "bfloat16",
+         "stream dtype bf16 (else fp16)" if spec.stream_dtype == "float16" else "stream dtype bf16 (else fp32)"),
     ]
     lines = []
     for name, value, comment in rows:
@@ -1476,7 +1482,7 @@ def generate_source(spec: MhcSpec) -> str:
         return "" if k == 0 else f" + {k} * {stride}"
 
     # what _load_streams / _load_chunk return, and the loop's current / next names for them
-    bf16 = spec.stream_dtype == "bfloat16"
+    bf16, fp16 = spec.stream_dtype == "bfloat16", spec.stream_dtype == "float16"
     pieces = [[f"fa_{k}", f"fb_{k}"] if bf16 else [f"w_{k}"] for k in streams]  # fn's block per stream
     fn_names = [name for names in pieces for name in names] if spec.has_coefficients else []
 
@@ -1586,7 +1592,8 @@ def generate_source(spec: MhcSpec) -> str:
         return _SUB_BODY.substitute(sub).rstrip("\n")
 
     def project(k: int, sfx: str) -> str:
-        return (f"acc_{k % 2}{sfx} = _project(acc_{k % 2}{sfx}, _opaque(x_{k}{sfx}, INTERPRETED), "
+        operand = f"xf_{k}{sfx}" if fp16 else f"x_{k}{sfx}"  # fp16: the widened X' meets fp32 fn
+        return (f"acc_{k % 2}{sfx} = _project(acc_{k % 2}{sfx}, _opaque({operand}, INTERPRETED), "
                 f"{', '.join(pieces[k])}, {'PRESPLIT, ' if bf16 else ''}INTERPRETED)")
 
     # per stream, every sub-tile's dots with fn's block, one after the other (its pieces are split
@@ -1642,10 +1649,15 @@ def generate_source(spec: MhcSpec) -> str:
     body = _CHUNK_BODY.substitute(lines)
     lines["BUFFERED_BODY"] = lines["PIPELINED_BODY"] = "\n".join(
         (" " * 12 + line) if line.strip() else line for line in body.rstrip("\n").split("\n"))
+    project_functions = _PROJECT_BF16 if bf16 else string.Template(_PROJECT_FP32).substitute(
+        PROJECT_FP16_NOTE=" With fp16 streams xs is the widened (exact) X'." if fp16 else "")
+    # fp16 streams round with .to(), to nearest even in both modes (numpy's conversion in the
+    # interpreter); fp32 streams round nothing
+    round_other = "x.to(tl.float16)" if fp16 else "x"
     return _TEMPLATE.substitute(
         KEY=spec.key(), SPEC_LINE=spec_line, FORM=spec.form(), N=n, D=spec.dim,
         DTYPE_NAME=spec.stream_dtype, MATH_DOC="\n".join(math_doc), CONSTANTS=_constants(spec),
-        PROJECT_FUNCTIONS=_PROJECT_BF16 if spec.stream_dtype == "bfloat16" else _PROJECT_FP32, **lines)
+        PROJECT_FUNCTIONS=project_functions, ROUND_OTHER=round_other, **lines)
 
 
 def kernel_name(spec: MhcSpec) -> str:
@@ -2152,31 +2164,29 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     a time, in order) runs each before its tile's stage A, so that every one hands its blocks off.
     Inputs are never modified.
     """
+    # a repeat of an earlier call's layout (the usual case: every layer, every step) launches with
+    # that call's decisions (lowering.launch); diagnostics and overrides always take the whole path
+    kept_key = None
+    if streams.is_cuda and variant is None and config is None and out is None and trace is None \
+            and not leave_out and job_rotation == 0:
+        kept_key = (spec, layout_key(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, fn_pieces))
+        kept = _kept.get(kept_key)
+        if kept is not None:
+            return _relaunch(kept, streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec,
+                             fn_pieces)
     validate(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)
     if fn_pieces is not None:
         _check_fn_pieces(fn_pieces, spec, streams.device)
     leave_out_bits = _leave_out_bits(leave_out)
-    n, D = spec.n, spec.dim
     T, device = streams.shape[0], streams.device
-    sdtype = DTYPES[spec.stream_dtype]
     if out is None:
-        f32 = dict(dtype=torch.float32, device=device)
-        out = (torch.empty((T, n, D), dtype=sdtype, device=device) if spec.has_post else None,
-               torch.empty((T, D), dtype=sdtype, device=device),
-               torch.empty((T, n), **f32) if spec.has_coefficients else None,
-               torch.empty((T, n), **f32) if spec.has_coefficients else None,
-               torch.empty((T, n, n), **f32) if spec.has_coefficients else None)
+        out = _outputs(spec, T, device)
     else:
         _check_out(out, spec, T, device)
     if T == 0:
         return tuple(out)
-    x_out, u, pre_out, post_out, comb_out = out
-    streams = streams if streams.stride(2) == 1 else streams.contiguous()
-    y, post, comb, carried_pre = (_rows(t) if used else None for t, used in (
-        (y, spec.has_post), (post, spec.has_post), (comb, spec.has_post), (carried_pre, spec.pre == "carried")))
-    if spec.has_coefficients:
-        fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
-    norm_weight = norm_weight.contiguous()
+    streams, y, post, comb, carried_pre, fn, base, scale, norm_weight = _row_major(
+        streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)
 
     cfg = config or choose_config(spec, T, device=device, variant=variant)
     plan = _plan(spec, cfg, T)
@@ -2187,29 +2197,15 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         raise ValueError(f"mega_mhc: job_rotation={job_rotation!r} needs a launch with handoff (a split config "
                          f"with handoff=True and rescale jobs, carried pre) and a value in 0..{plan['n_jobs'] - 1}; "
                          f"this one is {cfg} (handoff {plan['handoff']})")
-    n_tiles, n_splits, acc_elems = plan["n_tiles"], plan["n_splits"], plan["acc_elems"]
+    n_splits = plan["n_splits"]
     interpret = device.type != "cuda"
-    if n_splits > 1:
-        sync, acc = _split_buffers(device, n_tiles, acc_elems)
-        if interpret and (bool(sync.any()) or bool(acc.any())):  # host memory: checking is free
-            warnings.warn("mega_mhc: persistent state was left dirty by an aborted launch; resetting it")
-            reset_sync(device)
-        ws = torch.empty(n_tiles * cfg.tile_t, dtype=torch.float32, device=device)  # 1/rms per token
-    else:
-        # tiled: the partial sums go to a per-call buffer (every element read is written first)
-        acc = torch.empty(acc_elems, dtype=torch.float32, device=device)
-        sync = ws = acc  # unused
-    x_stride = (streams.stride(0), streams.stride(1))
-    dummy = streams  # any tensor: pointers the spec never dereferences
     if fn_pieces is not None:  # split beforehand: stage A loads the pieces (PRESPLIT), nothing to split here
         cfg = dataclasses.replace(cfg, presplit_fn=True)
     elif cfg.presplit_fn:
-        fn_pieces = torch.empty((2, _slot_width(n), n * D), dtype=torch.bfloat16, device=device)
+        fn_pieces = torch.empty((2, _slot_width(spec.n), spec.n * spec.dim), dtype=torch.bfloat16, device=device)
         split = load(spec, interpret=interpret, name=SPLIT_FN_KERNEL)
-        split[(-(-n * D // SPLIT_FN_BLOCK), spec.width())](fn, fn_pieces, BLOCK=SPLIT_FN_BLOCK,
-                                                           INTERPRETED=interpret, num_warps=4)
-    else:
-        fn_pieces = dummy
+        split[(-(-spec.n * spec.dim // SPLIT_FN_BLOCK), spec.width())](fn, fn_pieces, BLOCK=SPLIT_FN_BLOCK,
+                                                                       INTERPRETED=interpret, num_warps=4)
     kernel = load(spec, interpret=interpret)
 
     # A co-resident launch with epilogue jobs and the carried pre runs MONOTONIC (see the kernel)
@@ -2218,26 +2214,20 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     # without a build) does not get them
     try_co_resident = cfg.co_resident and plan["r_splits"] > 0 and not plan["handoff"]
     csq_slots = _next_pow2(n_splits) if try_co_resident and spec.pre == "carried" else 0
-    tiles = csq = acc  # (unused unless MONOTONIC)
-    if csq_slots and (interpret or co_resident_candidate(
-            plan["n_jobs"], torch.cuda.get_device_properties(device).multi_processor_count)):
-        tiles = _tile_counters(device, n_splits, plan["r_splits"], n_tiles)
-        if interpret and not _counters_consistent(tiles, n_splits, plan["r_splits"]):
+    monotonic = bool(csq_slots) and (interpret or co_resident_candidate(
+        plan["n_jobs"], torch.cuda.get_device_properties(device).multi_processor_count))
+    buffers = _launch_buffers(device, plan, cfg, csq_slots if monotonic else 0)
+    if interpret:  # host memory: checking is free
+        sync, acc, tiles = buffers[2], buffers[0], buffers[3]
+        if n_splits > 1 and (bool(sync.any()) or bool(acc.any())):
+            warnings.warn("mega_mhc: persistent state was left dirty by an aborted launch; resetting it")
+            reset_sync(device)
+        if monotonic and not _counters_consistent(tiles, n_splits, plan["r_splits"]):
             warnings.warn("mega_mhc: token-tile counters were left inconsistent by an aborted launch; "
                           "resetting the persistent state")
             reset_sync(device)
-        csq = torch.empty(n_tiles * csq_slots * cfg.tile_t, dtype=torch.float32, device=device)
-    args = (
-        streams, y if y is not None else dummy, post if post is not None else dummy,
-        comb if comb is not None else dummy, carried_pre if carried_pre is not None else dummy,
-        fn if spec.has_coefficients else dummy, fn_pieces, base if spec.has_coefficients else dummy,
-        scale if spec.has_coefficients else dummy, norm_weight,
-        x_out if x_out is not None else u, u,
-        pre_out if pre_out is not None else acc, post_out if post_out is not None else acc,
-        comb_out if comb_out is not None else acc, acc, ws, sync, tiles, csq, trace if trace is not None else acc,
-        T, x_stride[0], x_stride[1], y.stride(0) if y is not None else 0,
-        post.stride(0) if post is not None else 0, comb.stride(0) if comb is not None else 0,
-        carried_pre.stride(0) if carried_pre is not None else 0, n_tiles)
+    args = _kernel_args(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, fn_pieces, out,
+                        buffers, trace, T, plan["n_tiles"], spec)
     options = dict(
         TILE_T=cfg.tile_t, SUB_TILES=cfg.sub_tiles, BLOCK_D=cfg.block_d, N_CHUNKS=plan["n_chunks"],
         SPLIT_CHUNKS=plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=plan["r_block"],
@@ -2257,8 +2247,95 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
                            **({} if interpret else {"launch_cooperative_grid": True}))
         if interpret or _fits_at_once(kernel, grid, args, co_resident, device):
             options = co_resident
-    kernel[grid](*args, **options)
+    compiled = kernel[grid](*args, **options)
+    if kept_key is not None and not (cfg.presplit_fn and kept_key[1][-1] is None):  # (no split launch to repeat)
+        _kept.keep(kept_key, compiled, grid, kernel, options, device, plan=plan, cfg=cfg,
+                   csq_slots=csq_slots if monotonic else 0)
     return tuple(out)
+
+
+_kept = PreparedLaunches()
+
+
+def forget_kept_launches() -> None:
+    """The next call of every layout takes the whole path again: validation, configuration, the
+    co-resident check and Triton's JIT (lowering.launch)."""
+    _kept.clear()
+
+
+def _relaunch(kept, streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec, fn_pieces):
+    """mega_mhc's launch for a layout an earlier call validated and planned (`kept`)."""
+    T, device = streams.shape[0], streams.device
+    out = _outputs(spec, T, device)
+    if T == 0:
+        return out
+    streams, y, post, comb, carried_pre, fn, base, scale, norm_weight = _row_major(
+        streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)
+    plan = kept.decisions["plan"]
+    buffers = _launch_buffers(device, plan, kept.decisions["cfg"], kept.decisions["csq_slots"])
+    kept(*_kernel_args(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, fn_pieces, out,
+                       buffers, None, T, plan["n_tiles"], spec))
+    return out
+
+
+def _outputs(spec: MhcSpec, T: int, device) -> tuple:
+    """Fresh (X', u, pre', post', comb'), None where the spec has no such output."""
+    sdtype, f32 = DTYPES[spec.stream_dtype], dict(dtype=torch.float32, device=device)
+    n, D = spec.n, spec.dim
+    return (torch.empty((T, n, D), dtype=sdtype, device=device) if spec.has_post else None,
+            torch.empty((T, D), dtype=sdtype, device=device),
+            torch.empty((T, n), **f32) if spec.has_coefficients else None,
+            torch.empty((T, n), **f32) if spec.has_coefficients else None,
+            torch.empty((T, n, n), **f32) if spec.has_coefficients else None)
+
+
+def _row_major(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec) -> tuple:
+    """The inputs with the layouts the kernel indexes: rows may be strided, their insides not."""
+    streams = streams if streams.stride(2) == 1 else streams.contiguous()
+    y, post, comb, carried_pre = (_rows(t) if used else None for t, used in (
+        (y, spec.has_post), (post, spec.has_post), (comb, spec.has_post), (carried_pre, spec.pre == "carried")))
+    if spec.has_coefficients:
+        fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
+    return streams, y, post, comb, carried_pre, fn, base, scale, norm_weight.contiguous()
+
+
+def _launch_buffers(device, plan: dict, cfg: LaunchConfig, csq_slots: int) -> tuple:
+    """(accumulator, 1/rms workspace, sync, token-tile counters, sum(c^2) slots) of one launch:
+    the persistent state for split launches, per-call buffers otherwise; the accumulator stands in
+    for what the launch does not read (csq_slots 0: not MONOTONIC)."""
+    n_tiles, acc_elems = plan["n_tiles"], plan["acc_elems"]
+    if plan["n_splits"] > 1:
+        sync, acc = _split_buffers(device, n_tiles, acc_elems)
+        ws = torch.empty(n_tiles * cfg.tile_t, dtype=torch.float32, device=device)  # 1/rms per token
+    else:
+        # tiled: the partial sums go to a per-call buffer (every element read is written first)
+        acc = torch.empty(acc_elems, dtype=torch.float32, device=device)
+        sync = ws = acc  # unused
+    tiles = csq = acc
+    if csq_slots:
+        tiles = _tile_counters(device, plan["n_splits"], plan["r_splits"], n_tiles)
+        csq = torch.empty(n_tiles * csq_slots * cfg.tile_t, dtype=torch.float32, device=device)
+    return acc, ws, sync, tiles, csq
+
+
+def _kernel_args(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, fn_pieces, out, buffers,
+                 trace, T: int, n_tiles: int, spec: MhcSpec) -> tuple:
+    """The kernel's runtime arguments, in its signature's order; any tensor stands in for a
+    pointer the spec never dereferences."""
+    x_out, u, pre_out, post_out, comb_out = out
+    acc, ws, sync, tiles, csq = buffers
+    dummy = streams
+    return (
+        streams, y if y is not None else dummy, post if post is not None else dummy,
+        comb if comb is not None else dummy, carried_pre if carried_pre is not None else dummy,
+        fn if spec.has_coefficients else dummy, fn_pieces if fn_pieces is not None else dummy,
+        base if spec.has_coefficients else dummy, scale if spec.has_coefficients else dummy, norm_weight,
+        x_out if x_out is not None else u, u,
+        pre_out if pre_out is not None else acc, post_out if post_out is not None else acc,
+        comb_out if comb_out is not None else acc, acc, ws, sync, tiles, csq, trace if trace is not None else acc,
+        T, streams.stride(0), streams.stride(1), y.stride(0) if y is not None else 0,
+        post.stride(0) if post is not None else 0, comb.stride(0) if comb is not None else 0,
+        carried_pre.stride(0) if carried_pre is not None else 0, n_tiles)
 
 
 # Grids of more programs than this per SM are launched with claimed jobs without asking: learning

@@ -23,28 +23,36 @@ from .layers import linear, weight
 RENORM_EPS = 1e-20
 
 
-def score(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+def score(logits: torch.Tensor, score_func: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """score_func(logits) in fp32, each op's result rounded to `dtype` the way torch runs an op in
+    that dtype (computed in fp32, its result rounded once): a bf16 sqrt(softplus) rounds twice."""
+    def rounded(x):
+        return x.to(dtype).float()
+
     if score_func == "sqrtsoftplus":
-        return torch.sqrt(F.softplus(logits))
+        return rounded(torch.sqrt(rounded(F.softplus(logits))))
     if score_func == "sigmoid":
-        return torch.sigmoid(logits)
+        return rounded(torch.sigmoid(logits))
     if score_func == "softmax":
-        return torch.softmax(logits, dim=-1)
+        return rounded(torch.softmax(logits, dim=-1))
     raise ValueError(f"unknown score_func {score_func!r}; valid: sqrtsoftplus, sigmoid, softmax")
 
 
 def route(u: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, *, score_func: str,
           k: int, renorm: bool, scale: float, renorm_eps: float = RENORM_EPS,
-          logits_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+          logits_dtype: torch.dtype = torch.float32, score_dtype: torch.dtype = torch.float32,
+          choice_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [N, k] fp32, expert ids [N, k]) for tokens u [N, D]. The reference of the gate.
 
-    `renorm_eps=0.0` renormalises without an eps (w / sum w); `scale=1.0` is "no scale";
-    `logits_dtype=torch.bfloat16` rounds the logits as a bf16 GEMM writes them, scoring in fp32.
+    `renorm_eps=0.0` renormalises without an eps (w / sum w); `scale=1.0` is "no scale".
+    The dtypes say where a router written in a lower precision rounds, computing in fp32 otherwise:
+    `logits_dtype=torch.bfloat16` rounds the logits as a bf16 GEMM writes them, `score_dtype` each
+    scoring op's result (see `score`), `choice_dtype` the biased choice the top-k ranks.
     """
     logits = (u.float() @ gate_weight.float().t()).to(logits_dtype).float()
-    scores = score(logits, score_func)
-    choice = scores if bias is None else scores + bias
-    idx = torch.topk(choice, k, dim=-1).indices
+    scores = score(logits, score_func, score_dtype)
+    choice = scores if bias is None else scores + bias.float()
+    idx = torch.topk(choice.to(choice_dtype), k, dim=-1).indices
     weights = scores.gather(-1, idx)
     if renorm:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + renorm_eps)

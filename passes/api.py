@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from .manager import PassManager
-from .report import CompileReport
+from .report import CompileReport, GraphReport
 
 
 class FusedModule(nn.Module):
@@ -35,6 +39,11 @@ def compile(module: nn.Module, passes="all", *, pass_options: dict | None = None
     pass_options: {pass name: {option: value}}. dump_dir: write each graph before/after each pass.
     debug_nodes: FX node names whose matcher decisions are printed as they are made.
     Everything else goes to torch.compile (e.g. dynamic=True, fullgraph=True, mode=...).
+
+    Inductor's FX graph cache stays on: a graph compiled before (same code, inputs, options and
+    passes) is served from it, with the report it had (see _InductorWithReports). dump_dir and
+    debug_nodes turn the cache off for this compile unless options say otherwise: what they show
+    exists only where the passes run.
     """
     backend = torch_compile_kwargs.pop("backend", "inductor")
     if backend != "inductor":
@@ -45,9 +54,59 @@ def compile(module: nn.Module, passes="all", *, pass_options: dict | None = None
         raise ValueError("options['post_grad_custom_post_pass'] is where megafuse installs its pass manager; "
                          "pass your own pass as a megafuse pass instead")
     inductor_options["post_grad_custom_post_pass"] = manager
-    # The report is written by running the passes; an FX-graph-cache hit would skip them and leave
-    # it empty. The cache stays correct either way (the manager's uuid is in its key), so
-    # `options={"fx_graph_cache": True}` trades the report for compile time.
-    inductor_options.setdefault("fx_graph_cache", False)
-    compiled = torch.compile(module, backend="inductor", options=inductor_options, **torch_compile_kwargs)
+    if dump_dir is not None or debug_nodes:  # graphs and decisions exist only where the passes run
+        inductor_options.setdefault("fx_graph_cache", False)
+    inductor = _InductorWithReports(manager, torch_compile_kwargs.pop("mode", None), inductor_options,
+                                    torch_compile_kwargs.get("dynamic"))
+    compiled = torch.compile(module, backend=inductor, **torch_compile_kwargs)
     return FusedModule(module, manager, compiled)
+
+
+class _InductorWithReports(torch._TorchCompileInductorWrapper):
+    """Inductor as torch.compile's backend (the same mode and options handling), keeping each
+    graph's pass report beside Inductor's caches.
+
+    Inductor's FX graph cache (and AOT autograd's) serves a graph compiled before without running
+    the post-grad passes, so the passes cannot report on it. The manager's uuid is part of those
+    caches' keys, so a served graph was compiled with these passes; its report is stored when it is
+    compiled and read back when it is served, under a key of the same things: the Dynamo graph's
+    code, its inputs' shapes, strides and dtypes, the Inductor options and the manager's uuid.
+    A served graph with no stored report is counted in `CompileReport.unreported`, never hidden.
+    """
+
+    def __init__(self, manager: PassManager, mode, options: dict, dynamic):
+        super().__init__(mode, options, dynamic)
+        self.manager = manager
+
+    def __eq__(self, other):  # another manager is another backend: its report must be written
+        return super().__eq__(other) and self.manager is getattr(other, "manager", None)
+
+    def __call__(self, graph, example_inputs, **kwargs):
+        report = self.manager.report
+        before = len(report.graphs)
+        compiled = super().__call__(graph, example_inputs, **kwargs)
+        stored = _report_dir() / f"{self._key(graph, example_inputs)}.json"
+        if len(report.graphs) > before:  # the passes ran
+            stored.parent.mkdir(parents=True, exist_ok=True)
+            stored.write_text(json.dumps([g.to_json() for g in report.graphs[before:]]))
+        elif stored.exists():
+            for text in json.loads(stored.read_text()):
+                graph_report = GraphReport.from_json(text)
+                graph_report.cached = True
+                report.graphs.append(graph_report)
+        else:
+            report.unreported += 1
+        return compiled
+
+    def _key(self, graph, example_inputs) -> str:
+        inputs = [(tuple(x.shape), x.stride(), str(x.dtype), str(x.device)) if isinstance(x, torch.Tensor) else x
+                  for x in example_inputs]
+        options = {k: v for k, v in self.config.items() if k != "post_grad_custom_post_pass"}
+        key = [torch.__version__, self.manager.uuid(), graph.code, repr(inputs), repr(sorted(options.items()))]
+        return hashlib.sha256(json.dumps(key).encode()).hexdigest()
+
+
+def _report_dir() -> Path:
+    """Beside Inductor's own caches, so that clearing those clears these too."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return Path(cache_dir()) / "megafuse_reports"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -142,3 +144,34 @@ def linear_weight(w_t: fx.Node, rows: int, transposed: bool, what: str) -> tuple
         return None
     return strip(w_t.args[0], layout=False)
 
+
+def last_dim_parts(node: fx.Node, sizes: list[int]) -> tuple[list[fx.Node], list[fx.Node]] | None:
+    """The readers of `node`'s consecutive parts of `sizes` along its last dim, in order, and the
+    split they hang off ([] for slices): `split` / `split_with_sizes` getitems, or last-dim slices
+    (`t[..., a:b]`, `narrow`; torch 2.14 rewrites a split into slices anyway). None if some part
+    has no reader."""
+    size = val(node).shape[-1] if rank(node) else None
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    if size is None or bounds[-1] != size:
+        return None
+    for split in node.users:
+        if not is_op(split, aten.split_with_sizes, aten.split) or split.args[0] is not node:
+            continue
+        chunk = split.args[1]
+        split_sizes = (list(chunk) if isinstance(chunk, (list, tuple))
+                       else [min(chunk, size - a) for a in range(0, size, chunk)])
+        items = {u.args[1]: u for u in split.users if u.target is operator.getitem}
+        if (is_last_dim(arg(split, 2, "dim", 0), node) and split_sizes == list(sizes)
+                and set(items) == set(range(len(sizes)))):
+            return [items[i] for i in range(len(sizes))], [split]
+    slices = {}
+    for user in node.users:
+        if not is_op(user, aten.slice) or user.args[0] is not node or not is_last_dim(arg(user, 1, "dim", 0), node):
+            continue
+        start, end, step = arg(user, 2, "start"), arg(user, 3, "end"), arg(user, 4, "step", 1)
+        start = 0 if start is None else start + size if start < 0 else start
+        end = size if end is None else end + size if end < 0 else min(end, size)
+        if step == 1:
+            slices.setdefault((start, end), user)
+    parts = [slices.get((bounds[i], bounds[i + 1])) for i in range(len(sizes))]
+    return (parts, []) if all(p is not None for p in parts) else None

@@ -9,7 +9,6 @@ never serves a graph compiled with different passes.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import sys
 from pathlib import Path
@@ -52,8 +51,14 @@ class PassManager(CustomGraphPass):
             (self.dump_dir / f"graph{index:03d}_{name}_{when}.txt").write_text(str(graph))
 
     def uuid(self) -> str:
+        """The passes' part of Inductor's cache keys: the enabled passes and their options, and the
+        code of every module that can change a match or a support decision (the passes package
+        and the lowering package, whose support checks the passes consult)."""
         key = {
-            "passes": [(p.name, p.options, p.source()) for p in self.passes],
-            "framework": [inspect.getsource(sys.modules[m]) for m in (__name__, "passes.base", "passes.ops")],
+            "passes": [(p.name, p.options, p.source()) for p in self.passes],  # (a user's pass lives elsewhere)
+            "code": [(path.name, path.read_text()) for path in _DECIDING_MODULES],
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+_DECIDING_MODULES = sorted((*Path(__file__).parent.glob("*.py"), *(Path(__file__).parent.parent / "lowering").glob("*.py")))

@@ -20,40 +20,84 @@ from lowering import mega_gate as gate_kernels
 from lowering import mega_mhc as mhc_kernels
 
 
-def gate_spec(u: torch.Tensor, weight: torch.Tensor, bias, score_func: str, k: int, renorm: bool,
-              renorm_eps: float, scale: float, precision: str, logits_dtype: str) -> "gate_kernels.GateSpec":
+# The kernel ops run once per layer and step in compiled code, so they are registered with the
+# dispatcher directly: a custom_op's Python wrappers (autograd, alias checks) cost more than the
+# launch itself (tens of microseconds a call), and nothing differentiates or aliases through them.
+_library = torch.library.Library("megafuse", "FRAGMENT")
+
+
+def _kernel_op(fn, fake) -> None:
+    """Register `fn` as megafuse::<its name> for every backend, with `fake` for tracing; the
+    schema is inferred from its annotations, like the canonical op's."""
+    _library.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()))
+    _library.impl(fn.__name__, fn, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"megafuse::{fn.__name__}", fake, lib=_library)
+
+
+# The op's arguments after (u, weight, bias): the GateSpec fields the tensors do not carry, in order.
+GATE_SCALARS = ("score_func", "k", "renorm", "renorm_eps", "scale", "precision", "logits_dtype", "score_dtype",
+                "choice_dtype")
+
+
+def gate_spec(u: torch.Tensor, weight: torch.Tensor, bias, *scalars) -> "gate_kernels.GateSpec":
+    """The GateSpec of an op call: shapes and input dtypes from the tensors, the rest from `scalars`
+    (GATE_SCALARS order)."""
+    def dtype_name(t):
+        return str(t.dtype).removeprefix("torch.")
+
     return gate_kernels.GateSpec(
-        n_experts=weight.shape[0], hidden=weight.shape[1], k=k, score_func=score_func,
-        has_bias=bias is not None, renorm=renorm, renorm_eps=renorm_eps, scale=scale,
-        input_dtype=str(u.dtype).removeprefix("torch."), weight_dtype=str(weight.dtype).removeprefix("torch."),
-        precision=precision, logits_dtype=logits_dtype,
-    )
+        n_experts=weight.shape[0], hidden=weight.shape[1], has_bias=bias is not None, input_dtype=dtype_name(u),
+        weight_dtype=dtype_name(weight), bias_dtype=dtype_name(bias) if bias is not None else "float32",
+        **dict(zip(GATE_SCALARS, scalars, strict=True)))
+
+
+def gate_scalars(spec: "gate_kernels.GateSpec") -> tuple:
+    """The op arguments after (u, weight, bias) that bind `spec` (the inverse of gate_spec)."""
+    return tuple(getattr(spec, name) for name in GATE_SCALARS)
+
+
+def _run_gate(impl, u, weight, bias, scalars):
+    """u [..., D] and bias (any shape of E values) flattened for the launcher; (weights, ids) [..., k]."""
+    spec = gate_spec(u, weight, bias, *scalars)
+    flat_bias = None if bias is None else bias.reshape(-1)
+    weights, ids = impl(u.reshape(-1, u.shape[-1]), weight, flat_bias, spec)
+    return weights.reshape(*u.shape[:-1], spec.k), ids.reshape(*u.shape[:-1], spec.k)
+
+
+def gate_unsupported(u, weight, bias, *scalars) -> str | None:
+    """Why the kernel launch would refuse these inputs (fake tensors will do), or None."""
+    try:
+        spec = gate_spec(u, weight, bias, *scalars)
+        flat_bias = None if bias is None else bias.reshape(-1)
+        gate_kernels.validate(u.reshape(-1, u.shape[-1]), weight, flat_bias, spec)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 @torch.library.custom_op("megafuse::mega_gate", mutates_args=())
 def mega_gate(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, score_func: str, k: int,
-              renorm: bool, renorm_eps: float, scale: float, precision: str,
-              logits_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate GEMM + scoring + (bias) + top-k + gather + (renormalise) + (scale): the torch reference."""
-    spec = gate_spec(u, weight, bias, score_func, k, renorm, renorm_eps, scale, precision, logits_dtype)
-    return gate_kernels.reference(u, weight, bias, spec)
+              renorm: bool, renorm_eps: float, scale: float, precision: str, logits_dtype: str, score_dtype: str,
+              choice_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate GEMM + scoring + (bias) + top-k + gather + (renormalise) + (scale): the torch reference.
+    u [..., D] -> (weights fp32, ids int64) [..., k]."""
+    return _run_gate(gate_kernels.reference, u, weight, bias, (score_func, k, renorm, renorm_eps, scale, precision,
+                                                               logits_dtype, score_dtype, choice_dtype))
 
 
-@torch.library.custom_op("megafuse::mega_gate_kernel", mutates_args=())
 def mega_gate_kernel(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, score_func: str, k: int,
-                     renorm: bool, renorm_eps: float, scale: float, precision: str,
-                     logits_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = gate_spec(u, weight, bias, score_func, k, renorm, renorm_eps, scale, precision, logits_dtype)
-    return gate_kernels.mega_gate(u, weight, bias, spec)
+                     renorm: bool, renorm_eps: float, scale: float, precision: str, logits_dtype: str,
+                     score_dtype: str, choice_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_gate(gate_kernels.mega_gate, u, weight, bias, (score_func, k, renorm, renorm_eps, scale, precision,
+                                                               logits_dtype, score_dtype, choice_dtype))
 
 
-def _gate_fake(u, weight, bias, score_func, k, renorm, renorm_eps, scale, precision, logits_dtype):
-    rows = u.shape[0]
-    return u.new_empty(rows, k, dtype=torch.float32), u.new_empty(rows, k, dtype=torch.int64)
+def gate_fake(u, weight, bias, score_func, k, *_):
+    return (u.new_empty(*u.shape[:-1], k, dtype=torch.float32), u.new_empty(*u.shape[:-1], k, dtype=torch.int64))
 
 
-mega_gate.register_fake(_gate_fake)
-mega_gate_kernel.register_fake(_gate_fake)
+mega_gate.register_fake(gate_fake)
+_kernel_op(mega_gate_kernel, gate_fake)
 
 
 def _bind(canonical, kernel) -> None:
@@ -119,7 +163,6 @@ def mega_mhc(streams: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor |
                     sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode)
 
 
-@torch.library.custom_op("megafuse::mega_mhc_kernel", mutates_args=())
 def mega_mhc_kernel(streams: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor | None,
                     comb: torch.Tensor | None, carried_pre: torch.Tensor | None, fn: torch.Tensor | None,
                     base: torch.Tensor | None, scale: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -143,5 +186,5 @@ def mhc_fake(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
 
 
 mega_mhc.register_fake(mhc_fake)
-mega_mhc_kernel.register_fake(mhc_fake)
+_kernel_op(mega_mhc_kernel, mhc_fake)
 _bind(torch.ops.megafuse.mega_mhc.default, torch.ops.megafuse.mega_mhc_kernel.default)

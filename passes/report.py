@@ -7,6 +7,7 @@ the tools print. Tests assert exact counts from it ("one gate per MoE layer").
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -58,6 +59,17 @@ class PassReport:
 @dataclass
 class GraphReport:
     passes: list[PassReport] = field(default_factory=list)
+    cached: bool = False  # served from Inductor's caches: the passes ran when it was first compiled
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "GraphReport":
+        data = json.loads(text)
+        passes = [PassReport(p["name"], [Match(**m) for m in p["matches"]], [Rejection(**r) for r in p["rejections"]],
+                             p["time_s"], p["decisions"]) for p in data["passes"]]
+        return cls(passes, cached=data["cached"])
 
 
 class CompileReport:
@@ -66,6 +78,7 @@ class CompileReport:
     def __init__(self, pass_names: list[str]):
         self.pass_names = list(pass_names)
         self.graphs: list[GraphReport] = []
+        self.unreported = 0  # graphs served from Inductor's caches without a stored report
 
     def _all(self, name: str) -> list[PassReport]:
         return [p for g in self.graphs for p in g.passes if p.name == name]
@@ -87,6 +100,8 @@ class CompileReport:
         return {
             "passes": self.pass_names,
             "graphs": len(self.graphs),
+            "graphs_from_cache": sum(g.cached for g in self.graphs),
+            "graphs_unreported": self.unreported,
             "counts": self.counts(),
             "per_pass": {
                 name: {
@@ -99,7 +114,12 @@ class CompileReport:
         }
 
     def table(self) -> Table:
-        table = Table(title="megafuse passes")
+        cached = sum(g.cached for g in self.graphs)
+        notes = [f"{cached} of {len(self.graphs)} graphs from Inductor's cache, with their reports"] if cached else []
+        if self.unreported:
+            notes.append(f"{self.unreported} graphs from Inductor's cache had no stored report: their matches are "
+                         "missing here (compile with options={'fx_graph_cache': False} to run the passes again)")
+        table = Table(title="megafuse passes", caption="; ".join(notes) or None)
         for col in ("pass", "matches", "rejected", "time (ms)", "rejection reasons"):
             table.add_column(col)
         for name in self.pass_names:

@@ -33,10 +33,10 @@ def _kernel_cache_in_tmp(tmp_path_factory):
 
 
 def make_spec(E=24, D=64, k=4, score_func="sqrtsoftplus", bias=True, renorm="eps", scale=1.5,
-              dtype="float32", weight_dtype=None):
+              dtype="float32", weight_dtype=None, **roundings):
     renorm_on, eps = RENORMS[renorm]
     return GateSpec(n_experts=E, hidden=D, k=k, score_func=score_func, has_bias=bias, renorm=renorm_on,
-                    renorm_eps=eps, scale=scale, input_dtype=dtype, weight_dtype=weight_dtype or dtype)
+                    renorm_eps=eps, scale=scale, input_dtype=dtype, weight_dtype=weight_dtype or dtype, **roundings)
 
 
 def grid_inputs(spec, T, seed):
@@ -44,7 +44,7 @@ def grid_inputs(spec, T, seed):
     g = torch.Generator().manual_seed(seed)
     u = torch.randint(-32, 33, (T, spec.hidden), generator=g) / 16
     w = torch.randint(-16, 17, (spec.n_experts, spec.hidden), generator=g) / 256
-    b = torch.randn(spec.n_experts, generator=g) * 0.05 if spec.has_bias else None
+    b = (torch.randn(spec.n_experts, generator=g) * 0.05).to(mg.DTYPES[spec.bias_dtype]) if spec.has_bias else None
     return u.to(mg.DTYPES[spec.input_dtype]), w.to(mg.DTYPES[spec.weight_dtype]), b
 
 
@@ -54,9 +54,12 @@ def assert_matches_reference(spec, u, w, b, weights, ids):
     assert ids.shape == (T, k) and ids.dtype == torch.int64
     assert torch.isfinite(weights).all()
     ref_w, ref_ids = reference(u, w, b, spec)
-    choice = score(u.float() @ w.float().t(), spec.score_func)
+    # the choice the chain ranks, rounded where the spec says the chain rounds
+    logits = (u.float() @ w.float().t()).to(mg.DTYPES[spec.logits_dtype]).float()
+    choice = score(logits, spec.score_func, mg.DTYPES[spec.score_dtype])
     if b is not None:
-        choice = choice + b
+        choice = choice + b.float()
+    choice = choice.to(mg.DTYPES[spec.choice_dtype]).float()
     # a row is tied when two of its top-(k+1) reference choices are exactly equal
     top = choice.sort(dim=1, descending=True).values[:, :min(k + 1, spec.n_experts)]
     tied = (top[:, 1:] == top[:, :-1]).any(dim=1)
@@ -98,6 +101,51 @@ def test_k_equals_one_and_k_equals_E(variant, E, k):
         assert_matches_reference(spec, u, w, b, weights, ids)
         if k == E:  # every expert exactly once, padding experts never
             assert torch.equal(ids.sort(dim=1).values, torch.arange(E).expand(T, E))
+
+
+# (input, weight, bias, logits, score, choice) dtypes, as cast models produce them
+ROUNDINGS = {
+    "hf_bf16": ("bfloat16",) * 6,  # HF DeepseekV4 after .to(bfloat16): sqrt(softplus) rounds twice
+    "ours_bf16": ("bfloat16", "bfloat16", "bfloat16", "float32", "float32", "float32"),  # route upcasts
+    "half": ("float16", "float16", "float32", "float16", "float16", "float32"),  # .half(), an fp32 bias buffer
+    "mixed": ("float16", "float32", "bfloat16", "float32", "float32", "float32"),
+    "scores_cast_down": ("float32", "float32", "float32", "float32", "bfloat16", "bfloat16"),
+}
+
+
+@pytest.mark.parametrize("score_func", SCORE_FUNCS)
+@pytest.mark.parametrize("dtypes", ROUNDINGS.values(), ids=ROUNDINGS.keys())
+def test_rounding_dtypes_select_exactly_as_the_rounded_chain(dtypes, score_func):
+    names = ("dtype", "weight_dtype", "bias_dtype", "logits_dtype", "score_dtype", "choice_dtype")
+    spec = make_spec(24, 64, 4, score_func, **dict(zip(names, dtypes)))
+    u, w, b = grid_inputs(spec, 33, seed=len(score_func))
+    for variant in ("split", "tiled"):
+        assert_matches_reference(spec, u, w, b, *mega_gate(u, w, b, spec, variant=variant))
+
+
+def test_the_kernel_rounds_to_16_bits_as_torch_casts_do(tmp_path):
+    """To nearest, ties to even, subnormals, overflow, NaN: exactly torch's casts (the Triton
+    interpreter's own fp32 -> bf16 cast truncates, which would select other experts)."""
+    kernel_cache.set_cache_dir(tmp_path)
+    source = generate_source(make_spec()) + """
+
+@triton.jit
+def round_both(x_ptr, bf16_ptr, fp16_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    tl.store(bf16_ptr + offs, _round_bfloat16(x))
+    tl.store(fp16_ptr + offs, _round_float16(x))
+"""
+    kernel = kernel_cache.load_kernel(kernel_cache.write_source("rounding_probe", source), "round_both", True)
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(4096, generator=g) * scale for scale in (1.0, 1e-5, 3e4, 1e-7)])
+    x[:16] = torch.tensor([65504.0, 65519.0, 65520.0, -65520.0, 6.1e-5, float("inf"), float("nan"), -0.0,
+                           1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -11, 1 + 3 * 2 ** -11,  # halfway: ties to even
+                           1.5 * 2 ** -24, 2.5 * 2 ** -24, -(1 + 2 ** -8), 2 ** -25])
+    bf16, fp16 = torch.empty_like(x), torch.empty_like(x)
+    kernel[(1,)](x, bf16, fp16, x.numel())
+    torch.testing.assert_close(bf16, x.bfloat16().float(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(fp16, x.half().float(), rtol=0, atol=0, equal_nan=True)
 
 
 def test_mixed_dtypes_upcast_to_fp32():
@@ -217,7 +265,7 @@ def test_unsupported_specs_give_a_reason():
         "top-k of 17": make_spec(E=64, k=17),
         "1025 experts": make_spec(E=1025, k=4),
         "not one of": make_spec(score_func="relu"),
-        "float16": make_spec(dtype="float16"),
+        "float64": make_spec(dtype="float64"),
         "valid selection": make_spec(E=4, k=5),
         "precision": GateSpec(24, 64, 4, "sigmoid", False, False, 0.0, 1.0, "float32", "float32", "bf16x9"),
         "eps": make_spec(renorm="eps").__class__(24, 64, 4, "sigmoid", False, True, -1.0, 1.0, "float32", "float32"),
@@ -272,4 +320,4 @@ def test_reference_is_model_route(monkeypatch):
     spec = make_spec(24, 64, 4, "softmax", renorm="no_eps", scale=2.0)
     assert reference(None, None, None, spec) == "routed"
     assert calls == [dict(score_func="softmax", k=4, renorm=True, scale=2.0, renorm_eps=0.0,
-                          logits_dtype=torch.float32)]
+                          logits_dtype=torch.float32, score_dtype=torch.float32, choice_dtype=torch.float32)]

@@ -19,6 +19,44 @@ def test_uuid_depends_on_enabled_passes_options_and_source(monkeypatch):
     assert PassManager("all").uuid() != base
 
 
+def test_uuid_covers_every_module_that_decides_a_fusion(tmp_path, monkeypatch):
+    # the graph readers and the lowering's support checks decide what fuses, so an edit to any of
+    # them must change the key Inductor's cache serves graphs by
+    import passes.manager as manager
+    modules = list(manager._DECIDING_MODULES)
+    assert {("passes", "graph.py"), ("passes", "base.py"), ("lowering", "mega_gate.py"),
+            ("lowering", "mega_mhc.py")} <= {(p.parent.name, p.name) for p in modules}
+    base = PassManager("all").uuid()
+    for module in [p for p in modules if p.name == "graph.py" or p.parent.name == "lowering"][:3]:
+        edited = tmp_path / module.parent.name / module.name
+        edited.parent.mkdir(exist_ok=True)
+        edited.write_text(module.read_text() + "\n# an edit\n")
+        monkeypatch.setattr(manager, "_DECIDING_MODULES", [edited if p == module else p for p in modules])
+        assert PassManager("all").uuid() != base, module
+
+
+def test_a_graph_served_from_inductors_cache_brings_its_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    reports = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        fused = passes.compile(GateChain(), passes="all", fullgraph=True)
+        w, ids = fused(torch.randn(5, 64))
+        reports.append(fused.report)
+    first, second = reports
+    assert [g.cached for g in first.graphs] == [False] and [g.cached for g in second.graphs] == [True]
+    assert second.counts() == first.counts() == {"mega_mhc": 0, "mega_gate": 1}
+    assert second.to_dict()["per_pass"] == first.to_dict()["per_pass"]
+    # a served graph whose report was lost is counted and said, not shown as "nothing fused"
+    for stored in (tmp_path / "megafuse_reports").iterdir():
+        stored.unlink()
+    torch._dynamo.reset()
+    fused = passes.compile(GateChain(), passes="all", fullgraph=True)
+    fused(torch.randn(5, 64))
+    assert fused.report.graphs == [] and fused.report.unreported == 1
+    assert "no stored report" in fused.report.table().caption
+
+
 def test_registry_lists_passes_with_descriptions():
     assert passes.available() == ["mega_mhc", "mega_gate"]  # the order the manager runs them
     assert "top-k" in passes.descriptions()["mega_gate"]

@@ -5,10 +5,14 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import lowering.mega_gate
 import passes
 from torch._inductor import config as inductor_config
 from tests.passes.gate_clients import BiasInWeights, GateChain, MixtralRouter, SoftmaxAfterTopk, TopkOverTokens
+from tests.passes.online_softmax import ONLINE_SOFTMAX
+from tests.passes.post_grad import fuse
 
 
 def _compile(module, tmp_path, which=("mega_gate",)):
@@ -98,7 +102,9 @@ def test_bf16_gemm_inputs(tmp_path, score_func):
     fused = _compile(module, tmp_path)
     out = fused(u)
     assert fused.report.counts() == {"mega_gate": 1}
-    assert fused.report.matches("mega_gate")[0].spec["logits_dtype"] == "bfloat16"
+    spec = fused.report.matches("mega_gate")[0].spec
+    # the chain rounds u and W to bf16 for its GEMM: the kernel reads them so (a bf16 dot)
+    assert spec["logits_dtype"] == spec["input_dtype"] == spec["weight_dtype"] == "bfloat16"
     _assert_same_routing(out, module(u), rtol=1e-2, choice=_choice(module, u), tie_rtol=2 ** -7)
 
 
@@ -122,18 +128,76 @@ def test_mixtral_style_router_matches(tmp_path):
     _assert_same_routing(out, module(u), rtol=1e-5)
 
 
-def test_scores_computed_in_bf16_stay_unfused_with_the_reason(tmp_path):
-    class Bf16Scores(GateChain):
+class Bf16Scores(GateChain):
+    """A model cast to bf16 whose router scores in bf16 (HF's DeepseekV4 after .to(bfloat16))."""
+
+    def forward(self, u):
+        scores = F.softplus(F.linear(u, self.weight)).sqrt()  # softplus, then sqrt: two bf16 roundings
+        ids = torch.topk(scores + self.bias, self.k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        return weights / (weights.sum(-1, keepdim=True) + 1e-20), ids
+
+    def choice(self, u):
+        return F.softplus(F.linear(u, self.weight)).sqrt() + self.bias
+
+
+def test_scores_computed_in_bf16_fuse_and_round_where_the_chain_rounds(tmp_path):
+    module = Bf16Scores().to(torch.bfloat16)
+    u = torch.randn(64, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    fused = fuse(module, ["mega_gate"], fullgraph=True)
+    with torch.no_grad():
+        out, ref, choice = fused(u), module(u), module.choice(u)
+    assert fused.report.counts() == {"mega_gate": 1}
+    spec = fused.report.matches("mega_gate")[0].spec
+    assert (spec["bias_dtype"], spec["logits_dtype"], spec["score_dtype"], spec["choice_dtype"]) == ("bfloat16",) * 4
+    # bf16 choices tie often; only exactly tied rows may differ (torch.topk's tie order is open)
+    _assert_same_routing(out, ref, rtol=1e-2, choice=choice.float(), tie_rtol=0.0)
+
+
+def test_a_softmax_written_out_in_bf16_stays_unfused_with_the_reason():
+    class SpelledBf16Softmax(GateChain):
         def forward(self, u):
-            scores = torch.nn.functional.linear(u, self.weight).sigmoid()  # bf16 all the way
+            logits = F.linear(u, self.weight)
+            e = torch.exp(logits - logits.amax(-1, keepdim=True))  # each step rounds to bf16
+            scores = e / e.sum(-1, keepdim=True)
             ids = torch.topk(scores, self.k, dim=-1).indices
             return scores.gather(-1, ids), ids
 
-    module = Bf16Scores().to(torch.bfloat16)
-    fused = _compile(module, tmp_path)
-    fused(torch.randn(8, 64).bfloat16())
+    fused = fuse(SpelledBf16Softmax().to(torch.bfloat16), ["mega_gate"], fullgraph=True)
+    with torch.no_grad():
+        fused(torch.randn(8, 64).bfloat16())
     assert fused.report.counts() == {"mega_gate": 0}
-    assert "computed in torch.bfloat16" in fused.report.rejections("mega_gate")[0].reason
+    assert "rounds after every step" in fused.report.rejections("mega_gate")[0].reason
+
+
+def test_inputs_the_launcher_would_refuse_stay_unfused_at_compile_time(monkeypatch):
+    # check() runs the launcher's own input checks on the match's fake tensors: what it refuses
+    # is a rejection with its reason, never a run-time error of the compiled graph
+    def refuse(u, weight, bias, spec):
+        raise ValueError(f"mega_gate: bias must be float32 [{spec.n_experts}], got {bias.dtype}")
+
+    monkeypatch.setattr(lowering.mega_gate, "validate", refuse)
+    module = GateChain(score_func="sigmoid")
+    u = torch.randn(5, 64)
+    fused = fuse(module, ["mega_gate"], fullgraph=True)
+    with torch.no_grad():
+        out, ref = fused(u), module(u)
+    assert fused.report.counts() == {"mega_gate": 0}
+    assert fused.report.rejections("mega_gate")[0].reason == "mega_gate: bias must be float32 [24], got torch.float32"
+    assert torch.equal(out[1], ref[1])
+
+
+def test_the_online_softmax_of_triton_graphs_fuses():
+    module = GateChain(score_func="softmax", bias=False, renorm="plain", scale=None)
+    u = torch.randn(9, 64, generator=torch.Generator().manual_seed(2))
+    fused, unfused = fuse(module, ["mega_gate"], fullgraph=True), fuse(module, "none", fullgraph=True)
+    with torch.no_grad(), inductor_config.patch(ONLINE_SOFTMAX):
+        out = fused(u)
+        unfused(u)
+    assert "prepare_softmax_online" in unfused.post_grad_graphs[0]
+    assert "prepare_softmax_online" not in fused.post_grad_graphs[0]
+    assert fused.report.counts() == {"mega_gate": 1}
+    _assert_same_routing(out, module(u), rtol=1e-5, choice=_choice(module, u))
 
 
 @pytest.mark.parametrize("module, reason", [

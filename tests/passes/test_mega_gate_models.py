@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import passes
+from model import build_model, preset
+from tests.passes.post_grad import fuse
 from tests.passes.tiny import compile_tiny
 
 
@@ -20,6 +22,22 @@ def test_tiny_one_gate_per_moe_layer_and_logits_equal_eager(tmp_path):
     sources = {s for m in fused.report.matches("mega_gate") for s in m.sources}
     assert sources and all("model/moe.py:" in s and s.rsplit(":", 1)[1].isdigit() for s in sources)
     assert (logits - model(ids)).abs().max().item() <= 1e-4
+
+
+def test_tiny_cast_to_bf16_fuses_every_gate_under_all_passes_and_equals_eager():
+    # .to(bfloat16) makes the gate weight and bias bf16 while route() scores in fp32: the kernel
+    # reads the bf16 tensors (no run-time dtype error) and the model's output stays eager's
+    cfg = preset("tiny").replace(quant="none")
+    model = build_model(cfg, seed=0).to(torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    fused = fuse(model, "all", fullgraph=True)
+    with torch.no_grad():
+        logits, ref = fused(ids), model(ids)
+    assert fused.report.counts()["mega_gate"] == cfg.n_layers
+    assert fused.report.rejections("mega_gate") == []
+    spec = fused.report.matches("mega_gate")[0].spec
+    assert (spec["input_dtype"], spec["weight_dtype"], spec["bias_dtype"]) == ("bfloat16",) * 3
+    assert ((logits.float() - ref.float()).norm() / ref.float().norm()).item() <= 1e-2
 
 
 hf = pytest.importorskip("transformers")
@@ -54,3 +72,38 @@ def test_hf_deepseek_v4_fires_on_moe_layers_only_and_equals_unfused_compile():
     sources = {s.split(":")[0] for m in fused.report.matches("mega_gate") for s in m.sources}
     assert any(s.endswith("modeling_deepseek_v4.py") for s in sources)
     assert (logits - unfused).abs().max().item() <= 1e-4
+
+
+def _moe_routers(model):
+    return [layer.mlp.gate for layer in model.model.layers if not layer.mlp.is_hash]
+
+
+def test_hf_deepseek_v4_in_bf16_fuses_every_moe_gate_and_equals_the_unfused_graph():
+    model = _hf_model()
+    g = torch.Generator().manual_seed(1)
+    for router in _moe_routers(model):  # sharper than the init, as trained routers are: bf16 ties are rare
+        router.weight.data.normal_(std=0.2, generator=g)
+    model = model.to(torch.bfloat16)  # W, the bias buffer and the activations: the router scores in bf16
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    choices = []
+    hooks = [r.register_forward_hook(lambda router, args, out: choices.append(
+        torch.sqrt(torch.nn.functional.softplus(out[0])) + router.e_score_correction_bias)) for r in _moe_routers(model)]
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    # the premise: no row's 2nd and 3rd choices tie in bf16 (torch.topk leaves tie order open, the
+    # kernel takes the lower index; a differently broken tie changes that token's experts)
+    tops = [c.float().topk(3).values for c in choices]
+    assert all((top[:, 1] > top[:, 2]).all() for top in tops)
+
+    fused, unfused = fuse(model, "all", fullgraph=True), fuse(model, "none", fullgraph=True)
+    with torch.no_grad():
+        logits = fused(ids, use_cache=False).logits
+        ref = unfused(ids, use_cache=False).logits
+    assert fused.report.counts()["mega_gate"] == len(choices) == 2  # `moe` layers; `hash_moe` has no top-k
+    assert fused.report.rejections("mega_gate") == []
+    assert all("aten.topk" not in graph for graph in fused.post_grad_graphs)
+    spec = fused.report.matches("mega_gate")[0].spec
+    assert (spec["score_func"], spec["score_dtype"], spec["choice_dtype"]) == ("sqrtsoftplus", "bfloat16", "bfloat16")
+    assert ((logits.float() - ref.float()).norm() / ref.float().norm()).item() <= 1e-2

@@ -1,0 +1,236 @@
+"""H200 benchmark through the compiler: what a user gets when `passes.compile` fuses their chain.
+
+    python3 -m tools.bench_compiled --out results/bench_compiled.json [--ops mhc,gate] [--dry-run]
+
+The kernel benchmarks (tools.bench_mhc, tools.bench_gate) time a kernel on inputs they build. Here
+each chain is written as plain torch, the way a reader of MODEL.md writes it (V4.1 widths), and
+compiled three ways in one run: `passes.compile` (the megafuse passes), plain `torch.compile`
+(default mode) and eager. For each T in {1, 64, 512, 4096}:
+
+1. the pass report: the chain must fuse whole (one match, no rejection; the seam with its
+   coefficient head), and the compiled output must equal eager (fp32 outputs; bf16 ones within bf16
+   rounding; the gate's ids equal except at near-ties), on the first call and again on fresh
+   inputs (which the launch the first call kept runs: lowering.launch);
+2. medians of CUDA-graph replay (`do_bench_cudagraph`) of the three, and of back-to-back calls
+   without graphs (`eager_call_us`: 200 calls, synchronised once, per call: the host's cost where
+   it exceeds the GPU's), the number a program that does not capture graphs sees;
+3. the fused op alone (the lowering's launcher, as the compiled graph calls it): graph replay and
+   back-to-back calls, whose difference is the host cost of one launch outside CUDA graphs.
+
+Chains (the spellings of issue-style user code, not the project's model):
+  mhc   bf16 streams X [T, 4, 5120], y [T, 5120]; fp32 fn, base, scale, norm weight; the post
+        `comb^T @ X + post * y`, coefficients `(x @ fn.t()) * rsqrt(mean(x^2) + eps)` sliced into
+        pre / post / comb, Sinkhorn as a loop of 20 rounds, the collapse `(pre[..., None] * X).sum(-2)`,
+        RMSNorm.
+  gate  fp32 u [T, 5120] @ W^T (W [384, 5120] fp32), sqrt(softplus), + bias, top-6, gather,
+        renormalise, x1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import passes
+from tools.bench_common import Stages, default_out, require_cuda, time_graph_us
+
+TOKENS = (1, 64, 512, 4096)
+HC, DIM, EXPERTS, TOP_K = 4, 5120, 384, 6
+EAGER_CALLS = 200
+
+
+class PlainSeam(nn.Module):
+    """The mHC seam (MODEL.md section 3) as plain torch: previous post, coefficients, collapse, norm."""
+
+    def __init__(self, n: int, dim: int, iters: int = 20, eps: float = 1e-6):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.n, self.iters, self.eps = n, iters, eps
+        self.fn = nn.Parameter(torch.randn((2 + n) * n, n * dim, generator=g) * (0.1 / (n * dim) ** 0.5))
+        self.base = nn.Parameter(torch.randn((2 + n) * n, generator=g) * 0.5)
+        self.scale = nn.Parameter(torch.ones(3))
+        self.norm_weight = nn.Parameter(torch.rand(dim, generator=g) + 0.5)
+
+    def forward(self, X, y, post, comb, carried_pre):
+        n, eps = self.n, self.eps
+        X = (comb.transpose(-1, -2) @ X.float() + post.unsqueeze(-1) * y.float().unsqueeze(-2)).to(X.dtype)
+        x = X.flatten(-2).float()
+        m = (x @ self.fn.t()) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        pre = torch.sigmoid(m[..., :n] * self.scale[0] + self.base[:n]) + eps
+        post_next = 2 * torch.sigmoid(m[..., n:2 * n] * self.scale[1] + self.base[n:2 * n])
+        c = (m[..., 2 * n:] * self.scale[2] + self.base[2 * n:]).unflatten(-1, (n, n))
+        c = torch.softmax(c, -1) + eps
+        c = c / (c.sum(-2, keepdim=True) + eps)
+        for _ in range(self.iters - 1):
+            c = c / (c.sum(-1, keepdim=True) + eps)
+            c = c / (c.sum(-2, keepdim=True) + eps)
+        collapsed = (carried_pre[..., None] * X.float()).sum(-2).to(X.dtype).float()
+        u = collapsed * torch.rsqrt(collapsed.pow(2).mean(-1, keepdim=True) + eps) * self.norm_weight
+        return X, u.to(X.dtype), pre, post_next, c
+
+    @staticmethod
+    def inputs(T: int, device, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        comb = torch.softmax(torch.randn(T, HC, HC, generator=g), -1)
+        return tuple(t.to(device) for t in (
+            torch.randn(T, HC, DIM, generator=g).bfloat16(), torch.randn(T, DIM, generator=g).bfloat16(),
+            2 * torch.rand(T, HC, generator=g), comb / comb.sum(-2, keepdim=True),
+            torch.rand(T, HC, generator=g) + 0.5))
+
+
+class PlainRouter(nn.Module):
+    """V4.1's MoE router as plain torch: fp32 GEMM, sqrt(softplus), selection bias, top-k, renorm."""
+
+    def __init__(self, experts: int, dim: int, k: int, scale: float = 1.5):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(experts, dim, generator=g) / dim ** 0.5)
+        self.bias = nn.Parameter(torch.randn(experts, generator=g) * 0.05)
+        self.k, self.scale = k, scale
+
+    def forward(self, u):
+        scores = torch.sqrt(F.softplus(u.float() @ self.weight.t()))
+        ids = torch.topk(scores + self.bias, self.k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        return weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scale, ids
+
+    @staticmethod
+    def inputs(T: int, device, seed: int):
+        return (torch.randn(T, DIM, generator=torch.Generator().manual_seed(seed)).to(device),)
+
+
+CHAINS = {"mhc": (lambda: PlainSeam(HC, DIM), PlainSeam.inputs, "mega_mhc"),
+          "gate": (lambda: PlainRouter(EXPERTS, DIM, TOP_K), PlainRouter.inputs, "mega_gate")}
+
+
+def eager_call_us(fn, calls: int = EAGER_CALLS) -> float:
+    """Per call, for back-to-back calls without CUDA graphs, synchronised once at the end."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _errors(op: str, got, ref) -> dict:
+    if op == "gate":
+        (w, ids), (w_ref, ids_ref) = got, ref
+        return {"ids_equal_fraction": (ids.sort(-1).values == ids_ref.sort(-1).values).all(-1).float().mean().item(),
+                "weights_rel_err": ((w - w_ref).norm() / w_ref.norm()).item()}
+    return {name: ((a.float() - b.float()).norm() / b.float().norm()).item()
+            for name, a, b in zip(("X", "u", "pre", "post", "comb"), got, ref)}
+
+
+def _fused_op_call(fused_module, op: str, args):
+    """The fused op alone, called with the arguments the compiled graph gave the lowering's
+    launcher on one call of the chain (recorded there): (graph us, back-to-back us)."""
+    import importlib
+    lowering = importlib.import_module(f"lowering.mega_{op}")
+    launcher, seen = getattr(lowering, f"mega_{op}"), []
+
+    def record(*a, **kw):
+        seen.append((a, kw))
+        return launcher(*a, **kw)
+
+    setattr(lowering, f"mega_{op}", record)
+    try:
+        fused_module(*args)
+    finally:
+        setattr(lowering, f"mega_{op}", launcher)
+    if len(seen) != 1:
+        raise RuntimeError(f"bench_compiled: the compiled {op} chain called the launcher {len(seen)} times, not once")
+    (a, kw), = seen
+    call = lambda: launcher(*a, **kw)  # noqa: E731
+    return time_graph_us(call), eager_call_us(call)
+
+
+def bench_chain(op: str, T: int, log) -> dict:
+    make, make_inputs, pass_name = CHAINS[op]
+    module = make().cuda()
+    args = make_inputs(T, "cuda", seed=T)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        fused = passes.compile(module, passes=[pass_name], dynamic=False)
+        t0 = time.time()
+        got = fused(*args)
+        compile_s = time.time() - t0
+        plain = torch.compile(module, dynamic=False)
+        plain(*args)
+        ref = module(*args)
+        report = fused.report
+        r = {"T": T, "compile_s": round(compile_s, 1), "counts": report.counts(),
+             "specs": [m.spec for m in report.matches(pass_name)],
+             "rejections": [str(x) for x in report.rejections(pass_name)],
+             "errors": _errors(op, got, ref)}
+        whole = report.counts().get(pass_name) == 1 and not r["rejections"]
+        if op == "mhc":
+            whole = whole and all(s["has_coefficients"] and s["has_post"] for s in r["specs"])
+        r["fused_whole"] = whole
+        r["fused_graph_us"] = time_graph_us(lambda: fused(*args))
+        r["compile_graph_us"] = time_graph_us(lambda: plain(*args))
+        r["eager_graph_us"] = time_graph_us(lambda: module(*args))
+        r["fused_eager_call_us"] = eager_call_us(lambda: fused(*args))
+        r["compile_eager_call_us"] = eager_call_us(lambda: plain(*args))
+        # the same layout again on fresh inputs: the launch the first call kept (lowering.launch)
+        fresh = make_inputs(T, "cuda", seed=T + 1)
+        r["errors_repeat"] = _errors(op, fused(*fresh), module(*fresh))
+        if whole:
+            r["op_graph_us"], r["op_eager_call_us"] = _fused_op_call(fused, op, args)
+            r["op_launch_overhead_us"] = r["op_eager_call_us"] - r["op_graph_us"]
+    r["speedup_vs_compile_graph"] = r["compile_graph_us"] / r["fused_graph_us"]
+    r["speedup_vs_compile_eager_call"] = r["compile_eager_call_us"] / r["fused_eager_call_us"]
+    log(f"{op} T={T}: whole {r['fused_whole']} {r['counts']}  graph fused {r['fused_graph_us']:.2f} / compile "
+        f"{r['compile_graph_us']:.2f} / eager {r['eager_graph_us']:.2f} us ({r['speedup_vs_compile_graph']:.2f}x); "
+        f"no graphs fused {r['fused_eager_call_us']:.2f} / compile {r['compile_eager_call_us']:.2f} us; "
+        f"op launch overhead {r.get('op_launch_overhead_us', float('nan')):.2f} us; errors {r['errors']}")
+    return r
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m tools.bench_compiled", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="the results JSON (default results/bench_compiled.json)")
+    ap.add_argument("--ops", default="mhc,gate", help="comma-separated: mhc, gate")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    args = ap.parse_args(argv)
+    require_cuda(ap, dry_run=False)
+    ops = args.ops.split(",")
+    unknown = [o for o in ops if o not in CHAINS]
+    if unknown:
+        ap.error(f"unknown ops {unknown}; valid: {', '.join(CHAINS)}")
+    out = args.out or default_out("bench_compiled", False)
+    log_file = open(out.removesuffix(".json") + ".log", "w")
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+        print(msg, file=log_file, flush=True)
+
+    import triton
+    results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+               "eager_calls": EAGER_CALLS}
+    stages = Stages(results, out, log)
+    for op in ops:
+        for T in map(int, args.tokens.split(",")):
+            stages.run(f"{op}_T{T}", lambda op=op, T=T: bench_chain(op, T, log))
+    rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "T" in v]
+    print(f"{'chain':10s} {'whole':5s} {'fused':>8s} {'compile':>8s} {'x':>6s} {'no-graph fused':>14s} "
+          f"{'no-graph compile':>16s} {'op overhead':>11s}")
+    for name, r in rows:
+        print(f"{name:10s} {str(r['fused_whole']):5s} {r['fused_graph_us']:8.2f} {r['compile_graph_us']:8.2f} "
+              f"{r['speedup_vs_compile_graph']:6.2f} {r['fused_eager_call_us']:14.2f} {r['compile_eager_call_us']:16.2f} "
+              f"{r.get('op_launch_overhead_us', float('nan')):11.2f}")
+    json.dump(results, open(out, "w"), indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
