@@ -17,12 +17,26 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch._C._dynamo.guards import _empty_strided_cuda  # as Inductor's generated wrappers import it
 
 
 def layout_key(*tensors) -> tuple:
     """What Triton's specialisation and the launchers' input checks read of each tensor (None stays None)."""
-    return tuple(None if t is None else (t.dtype, t.device, tuple(t.shape), t.stride(), t.data_ptr() % 16 == 0)
-                 for t in tensors)
+    return tuple([None if t is None else (t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16 == 0)
+                  for t in tensors])
+
+
+def empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty(shape) contiguous. On the current CUDA device it goes through the allocator entry
+    Inductor's generated wrappers use, which skips torch.empty's argument parsing: a few
+    microseconds a tensor, a large part of a small launch's host cost."""
+    if device.type == "cuda" and device.index == torch.cuda.current_device():
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= max(size, 1)
+        return _empty_strided_cuda(shape, tuple(reversed(strides)), dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 class PreparedLaunch:
@@ -36,12 +50,14 @@ class PreparedLaunch:
         self.decisions = decisions  # what the first call decided, for the launcher's own use
 
     def __call__(self, *args) -> None:
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        if torch.cuda.current_device() == self.device.index:
-            self.runner(*args, *self.constexprs, stream=stream)
+        index = self.device.index
+        if torch.cuda.current_device() == index:
+            # the raw stream handle, as Inductor's wrappers fetch it (torch.cuda.current_stream
+            # builds a Stream object: several microseconds)
+            self.runner(*args, *self.constexprs, stream=torch._C._cuda_getCurrentRawStream(index))
         else:
             with torch.cuda.device(self.device):  # the build's module is loaded in that device's context
-                self.runner(*args, *self.constexprs, stream=stream)
+                self.runner(*args, *self.constexprs, stream=torch._C._cuda_getCurrentRawStream(index))
 
 
 class PreparedLaunches:

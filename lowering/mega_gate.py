@@ -88,7 +88,7 @@ import triton.language  # noqa: F401  (import Triton before any kernel module: s
 from model.moe import route
 
 from . import kernel_cache
-from .launch import PreparedLaunches, layout_key
+from .launch import PreparedLaunches, empty, layout_key
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -769,7 +769,8 @@ def mega_gate(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         if kept is not None:
             weights, ids = _gate_outputs(spec, u.shape[0], u.device)
             if u.shape[0]:
-                u, weight, bias = _row_major(u, weight, bias)
+                if not kept.decisions["row_major"]:  # (the key holds the strides: the same copies again)
+                    u, weight, bias = _row_major(u, weight, bias)
                 kept(*_kernel_args(u, weight, bias, weights, ids, spec, kept.decisions["cfg"]))
             return weights, ids
     validate(u, weight, bias, spec)
@@ -777,7 +778,9 @@ def mega_gate(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     weights, ids = _gate_outputs(spec, T, device)
     if T == 0:
         return weights, ids
+    given = (u, weight, bias)
     u, weight, bias = _row_major(u, weight, bias)
+    row_major = all(a is b for a, b in zip(given, (u, weight, bias)))
     cfg = config or choose_config(spec, T, device=device, variant=variant)
     if cfg.d_per_split % cfg.block_d or cfg.block_t % cfg.epi_rows:
         raise ValueError(f"mega_gate: inconsistent launch config {cfg}")
@@ -801,7 +804,7 @@ def mega_gate(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     with on_device:  # Triton launches on the current device
         compiled = kernel[grid](*args, **options)
     if kept_key is not None:
-        _kept.keep(kept_key, compiled, grid, kernel, options, device, cfg=cfg)
+        _kept.keep(kept_key, compiled, grid, kernel, options, device, cfg=cfg, row_major=row_major)
     return weights, ids
 
 
@@ -815,8 +818,7 @@ def forget_kept_launches() -> None:
 
 
 def _gate_outputs(spec: GateSpec, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty((T, spec.k), dtype=torch.float32, device=device),
-            torch.empty((T, spec.k), dtype=torch.int64, device=device))
+    return empty((T, spec.k), torch.float32, device), empty((T, spec.k), torch.int64, device)
 
 
 def _row_major(u, weight, bias):
@@ -834,7 +836,7 @@ def _kernel_args(u, weight, bias, weights, ids, spec: GateSpec, cfg: LaunchConfi
     n_t_tiles = -(-T // cfg.block_t)
     split = spec.hidden > cfg.d_per_split
     sync, persistent_ws = _state_buffers(device, n_t_tiles, T * e_pad if split else 0)
-    ws = persistent_ws if split else torch.empty(T * e_pad, dtype=torch.float32, device=device)
+    ws = persistent_ws if split else empty((T * e_pad,), torch.float32, device)
     return (u, weight, bias if bias is not None else weight, weights, ids, ws, sync,
             T, u.stride(0), weight.stride(0), n_t_tiles, -(-T // cfg.epi_rows))
 

@@ -194,7 +194,7 @@ import torch
 import triton.language  # noqa: F401  (import Triton before any kernel module: see kernel_cache)
 
 from . import kernel_cache, occupancy
-from .launch import PreparedLaunches, layout_key
+from .launch import PreparedLaunches, empty, layout_key
 
 # Stream dtypes (X', the collapse and u are rounded to it; every statistic is fp32). fp16 streams
 # take the fp32 projection (their widened X' against fp32 fn: fp16 values are not bf16's).
@@ -2185,8 +2185,9 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         _check_out(out, spec, T, device)
     if T == 0:
         return tuple(out)
-    streams, y, post, comb, carried_pre, fn, base, scale, norm_weight = _row_major(
-        streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)
+    given = (streams, y, post, comb, carried_pre, fn, base, scale, norm_weight)
+    streams, y, post, comb, carried_pre, fn, base, scale, norm_weight = laid_out = _row_major(*given, spec)
+    row_major = all(a is b or b is None for a, b in zip(given, laid_out))  # (None: an input the spec ignores)
 
     cfg = config or choose_config(spec, T, device=device, variant=variant)
     plan = _plan(spec, cfg, T)
@@ -2250,7 +2251,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     compiled = kernel[grid](*args, **options)
     if kept_key is not None and not (cfg.presplit_fn and kept_key[1][-1] is None):  # (no split launch to repeat)
         _kept.keep(kept_key, compiled, grid, kernel, options, device, plan=plan, cfg=cfg,
-                   csq_slots=csq_slots if monotonic else 0)
+                   csq_slots=csq_slots if monotonic else 0, row_major=row_major)
     return tuple(out)
 
 
@@ -2269,8 +2270,9 @@ def _relaunch(kept, streams, y, post, comb, carried_pre, fn, base, scale, norm_w
     out = _outputs(spec, T, device)
     if T == 0:
         return out
-    streams, y, post, comb, carried_pre, fn, base, scale, norm_weight = _row_major(
-        streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)
+    if not kept.decisions["row_major"]:  # (the key holds the strides: the same copies again)
+        streams, y, post, comb, carried_pre, fn, base, scale, norm_weight = _row_major(
+            streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec)
     plan = kept.decisions["plan"]
     buffers = _launch_buffers(device, plan, kept.decisions["cfg"], kept.decisions["csq_slots"])
     kept(*_kernel_args(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, fn_pieces, out,
@@ -2280,13 +2282,13 @@ def _relaunch(kept, streams, y, post, comb, carried_pre, fn, base, scale, norm_w
 
 def _outputs(spec: MhcSpec, T: int, device) -> tuple:
     """Fresh (X', u, pre', post', comb'), None where the spec has no such output."""
-    sdtype, f32 = DTYPES[spec.stream_dtype], dict(dtype=torch.float32, device=device)
+    sdtype, f32 = DTYPES[spec.stream_dtype], torch.float32
     n, D = spec.n, spec.dim
-    return (torch.empty((T, n, D), dtype=sdtype, device=device) if spec.has_post else None,
-            torch.empty((T, D), dtype=sdtype, device=device),
-            torch.empty((T, n), **f32) if spec.has_coefficients else None,
-            torch.empty((T, n), **f32) if spec.has_coefficients else None,
-            torch.empty((T, n, n), **f32) if spec.has_coefficients else None)
+    return (empty((T, n, D), sdtype, device) if spec.has_post else None,
+            empty((T, D), sdtype, device),
+            empty((T, n), f32, device) if spec.has_coefficients else None,
+            empty((T, n), f32, device) if spec.has_coefficients else None,
+            empty((T, n, n), f32, device) if spec.has_coefficients else None)
 
 
 def _row_major(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec) -> tuple:
@@ -2306,15 +2308,15 @@ def _launch_buffers(device, plan: dict, cfg: LaunchConfig, csq_slots: int) -> tu
     n_tiles, acc_elems = plan["n_tiles"], plan["acc_elems"]
     if plan["n_splits"] > 1:
         sync, acc = _split_buffers(device, n_tiles, acc_elems)
-        ws = torch.empty(n_tiles * cfg.tile_t, dtype=torch.float32, device=device)  # 1/rms per token
+        ws = empty((n_tiles * cfg.tile_t,), torch.float32, device)  # 1/rms per token
     else:
         # tiled: the partial sums go to a per-call buffer (every element read is written first)
-        acc = torch.empty(acc_elems, dtype=torch.float32, device=device)
+        acc = empty((acc_elems,), torch.float32, device)
         sync = ws = acc  # unused
     tiles = csq = acc
     if csq_slots:
         tiles = _tile_counters(device, plan["n_splits"], plan["r_splits"], n_tiles)
-        csq = torch.empty(n_tiles * csq_slots * cfg.tile_t, dtype=torch.float32, device=device)
+        csq = empty((n_tiles * csq_slots * cfg.tile_t,), torch.float32, device)
     return acc, ws, sync, tiles, csq
 
 

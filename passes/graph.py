@@ -175,3 +175,30 @@ def last_dim_parts(node: fx.Node, sizes: list[int]) -> tuple[list[fx.Node], list
             slices.setdefault((start, end), user)
     parts = [slices.get((bounds[i], bounds[i + 1])) for i in range(len(sizes))]
     return (parts, []) if all(p is not None for p in parts) else None
+
+
+# Inductor's shape padding (torch/_inductor/fx_passes/pad_mm.py, on GPUs) zero-pads an unaligned
+# GEMM's operands to aligned sizes and slices the padding off its output: zero rows and columns add
+# nothing to the products, so the GEMM of the unpadded operands gives the same values.
+
+def unpadded(operand: fx.Node) -> fx.Node:
+    """x where `operand` is x zero-padded after the end of its dims (constant_pad_nd), else operand."""
+    if is_op(operand, aten.constant_pad_nd) and scalar(arg(operand, 2, "value", 0)) == 0.0:
+        pads = list(operand.args[1])
+        if all(p == 0 for p in pads[::2]) and all(isinstance(p, int) and p >= 0 for p in pads[1::2]):
+            return operand.args[0]
+    return operand
+
+
+def keeps_leading(node: fx.Node) -> bool:
+    """node = x[.., :m, ..]: a slice that keeps the leading part of one dim."""
+    return is_op(node, aten.slice) and arg(node, 4, "step", 1) == 1 and not arg(node, 2, "start", 0)
+
+
+def under_slices(node):
+    """(x, the slices) where `node` keeps leading parts of x's dims (x[:m, :n]), else (node, [])."""
+    slices = []
+    while keeps_leading(node):
+        slices.append(node)
+        node = node.args[0]
+    return node, slices

@@ -62,7 +62,7 @@ from lowering import mega_gate as gate_kernels
 from . import ops
 from .base import Candidate, FusionPass, NoMatch
 from .graph import aten, arg, dtype, frozen_value, frozen_weight, is_convert, is_last_dim, is_op, linear_operands, \
-    prims, rank, scalar, val
+    prims, rank, scalar, under_slices, unpadded, val
 from .registry import register
 
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus default: x for x > 20
@@ -336,32 +336,14 @@ def _match_scoring(core: fx.Node) -> _Scoring:
     return scoring
 
 
-def _unpadded(operand: fx.Node) -> fx.Node:
-    """x where `operand` is x zero-padded after the end of its dims (constant_pad_nd), else operand."""
-    if is_op(operand, aten.constant_pad_nd) and scalar(arg(operand, 2, "value", 0)) == 0.0:
-        pads = list(operand.args[1])
-        if all(p == 0 for p in pads[::2]) and all(isinstance(p, int) and p >= 0 for p in pads[1::2]):
-            return operand.args[0]
-    return operand
-
-
-def _under_slices(node):
-    """(x, the slices) where `node` keeps leading parts of x's dims (x[:m, :n]), else (node, [])."""
-    slices = []
-    while is_op(node, aten.slice) and arg(node, 4, "step", 1) == 1 and not arg(node, 2, "start", 0):
-        slices.append(node)
-        node = node.args[0]
-    return node, slices
-
-
 def _gemm_operands(top: fx.Node) -> tuple[fx.Node, fx.Node, bool, list[fx.Node]]:
     """(tokens operand, weight operand, whether that operand is W^T, the nodes from `top` down to
     the GEMM) of logits = u @ W^T. Inductor's shape padding (pad_mm, on GPUs) zero-pads a GEMM's
     operands to aligned sizes and slices its output back: zero rows and columns add nothing to
     the products, so the unpadded operands give the same logits."""
-    gemm, slices = _under_slices(top)
+    gemm, slices = under_slices(top)
     if is_op(gemm, aten.addmm, aten.baddbmm) or is_op(gemm, aten.add) and any(
-            is_op(_under_slices(a)[0], aten.mm, aten.bmm) for a in gemm.args[:2]):  # unfused addmm (GPUs)
+            is_op(under_slices(a)[0], aten.mm, aten.bmm) for a in gemm.args[:2]):  # unfused addmm (GPUs)
         raise NoMatch("the gate GEMM has a bias term (addmm): not a supported variant")
     if is_op(gemm, aten.bmm):  # einsum's form: [1, N, D] @ [1, D, E]
         if _dims(gemm)[0] != 1:
@@ -371,7 +353,7 @@ def _gemm_operands(top: fx.Node) -> tuple[fx.Node, fx.Node, bool, list[fx.Node]]
         linear = linear_operands(gemm, "gate GEMM")
     if linear is None:
         raise NoMatch("the scores do not come from a GEMM", candidate=False)
-    tokens, weight, is_transposed = _unpadded(linear[0]), _unpadded(linear[1]), linear[2]
+    tokens, weight, is_transposed = unpadded(linear[0]), unpadded(linear[1]), linear[2]
     experts = _dims(weight)[-1] if is_transposed else _dims(weight)[0]
     if _dims(top) != _dims(tokens)[:-1] + [experts]:
         raise NoMatch("the GEMM's output is cut to other sizes than its unpadded operands'")

@@ -69,7 +69,8 @@ from lowering import mega_mhc as mhc_kernels
 
 from .base import Candidate, FusionPass, NoMatch
 from .graph import (MKL_LINEAR, aten, arg, dtype, frozen_value, frozen_weight, is_convert, is_last_dim, is_op,
-                    last_dim_parts, new_constant, only_users_in, prims, rank, scalar, val)
+                    keeps_leading, last_dim_parts, new_constant, only_users_in, prims, rank, scalar, unpadded,
+                    val)
 from .ops import mhc_fake, mhc_unsupported
 from .registry import register
 
@@ -609,6 +610,35 @@ def _projection(core: fx.Node):
     raise NoMatch("not a projection of a flattened [.., n, D] stream", candidate=False)
 
 
+def _unpad_projections(graph: fx.Graph) -> None:
+    """Put each fn projection that Inductor's shape padding padded (graph.unpadded: on GPUs, e.g.
+    T = 1 rows of bf16) back as the GEMM of its unpadded operands, so that its seam reads as
+    written. Exact: the padding's zeros add nothing, and its slices cut them off again. GEMMs that
+    are no projection of a flattened stream keep their padding."""
+    for gemm in [n for n in graph.nodes if is_op(n, aten.mm, aten.bmm)]:
+        operands = [unpadded(a) for a in gemm.args[:2]]
+        if operands == list(gemm.args[:2]):
+            continue
+        end = gemm
+        while len(end.users) == 1 and keeps_leading(next(iter(end.users))):
+            end = next(iter(end.users))
+        with graph.inserting_before(gemm):
+            plain = graph.call_function(gemm.target, tuple(operands))
+        plain.meta["val"] = gemm.target(*(val(a) for a in operands))  # (fake tensors: shapes only)
+        try:
+            if end is gemm or val(end).shape != val(plain).shape:
+                raise NoMatch("not padding pad_mm's slices cut off again", candidate=False)
+            _projection(plain)
+        except NoMatch as e:
+            if e.candidate:  # a projection: its own match says why it does not fuse
+                end.replace_all_uses_with(plain)
+            else:
+                graph.erase_node(plain)
+            continue
+        plain.meta["stack_trace"] = gemm.meta.get("stack_trace")
+        end.replace_all_uses_with(plain)
+
+
 def _match_head(core: fx.Node) -> Head:
     """The fn projection `core` of an mHC site -> the whole coefficient head."""
     stream, n, fn_source, transposed, projection, scaled_by, scaled_path = _projection(core)
@@ -947,6 +977,7 @@ class MegaMhcPass(FusionPass):
         # every coefficient head first (a head's match takes its post along), then the posts whose
         # stream no matched head reads (final collapses, and seams whose head did not match)
         self._unfused_heads = {}  # fn projection -> why its seam did not fuse (a post's note says it)
+        _unpad_projections(graph)
         projections = [n for n in graph.nodes if is_op(n, *GEMMS) and _weight(n) is not None]
         taken = set(projections)
         return projections + [n for n in graph.nodes if n not in taken and _is_mix(n)]

@@ -13,6 +13,8 @@ while the post-grad graph (and anything that runs it eagerly) keeps the referenc
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch._inductor.lowering import fallback_handler, register_lowering
 
@@ -42,13 +44,20 @@ GATE_SCALARS = ("score_func", "k", "renorm", "renorm_eps", "scale", "precision",
 def gate_spec(u: torch.Tensor, weight: torch.Tensor, bias, *scalars) -> "gate_kernels.GateSpec":
     """The GateSpec of an op call: shapes and input dtypes from the tensors, the rest from `scalars`
     (GATE_SCALARS order)."""
-    def dtype_name(t):
-        return str(t.dtype).removeprefix("torch.")
+    return _gate_spec(weight.shape[0], weight.shape[1], u.dtype, weight.dtype, None if bias is None else bias.dtype,
+                      scalars)
 
+
+@functools.cache  # one spec per site, asked for on every call of the op
+def _gate_spec(n_experts, hidden, input_dtype, weight_dtype, bias_dtype, scalars) -> "gate_kernels.GateSpec":
     return gate_kernels.GateSpec(
-        n_experts=weight.shape[0], hidden=weight.shape[1], has_bias=bias is not None, input_dtype=dtype_name(u),
-        weight_dtype=dtype_name(weight), bias_dtype=dtype_name(bias) if bias is not None else "float32",
+        n_experts=n_experts, hidden=hidden, has_bias=bias_dtype is not None, input_dtype=_dtype_name(input_dtype),
+        weight_dtype=_dtype_name(weight_dtype), bias_dtype=_dtype_name(bias_dtype or torch.float32),
         **dict(zip(GATE_SCALARS, scalars, strict=True)))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def gate_scalars(spec: "gate_kernels.GateSpec") -> tuple:
@@ -59,8 +68,10 @@ def gate_scalars(spec: "gate_kernels.GateSpec") -> tuple:
 def _run_gate(impl, u, weight, bias, scalars):
     """u [..., D] and bias (any shape of E values) flattened for the launcher; (weights, ids) [..., k]."""
     spec = gate_spec(u, weight, bias, *scalars)
-    flat_bias = None if bias is None else bias.reshape(-1)
-    weights, ids = impl(u.reshape(-1, u.shape[-1]), weight, flat_bias, spec)
+    flat_bias = None if bias is None else _flat(bias, 0)
+    weights, ids = impl(_flat(u, 1), weight, flat_bias, spec)
+    if u.dim() == 2:
+        return weights, ids
     return weights.reshape(*u.shape[:-1], spec.k), ids.reshape(*u.shape[:-1], spec.k)
 
 
@@ -115,14 +126,23 @@ _bind(torch.ops.megafuse.mega_gate.default, torch.ops.megafuse.mega_gate_kernel.
 # produce (X' without a post, coefficients without a head) are empty tensors that nothing reads.
 
 def mhc_spec(streams, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode):
+    return _mhc_spec(streams.shape[-2], streams.shape[-1], streams.dtype, sinkhorn_iters, hc_eps, stat_eps, norm_eps,
+                     has_post, has_coefficients, pre_mode)
+
+
+@functools.cache  # one spec per site, asked for on every call of the op
+def _mhc_spec(n, dim, stream_dtype, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode):
     return mhc_kernels.MhcSpec(
-        n=streams.shape[-2], dim=streams.shape[-1], sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
-        stat_eps=stat_eps, norm_eps=norm_eps, has_post=has_post, has_coefficients=has_coefficients,
-        pre=pre_mode, stream_dtype=str(streams.dtype).removeprefix("torch."))
+        n=n, dim=dim, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, stat_eps=stat_eps, norm_eps=norm_eps,
+        has_post=has_post, has_coefficients=has_coefficients, pre=pre_mode, stream_dtype=_dtype_name(stream_dtype))
 
 
 def _flat(t, keep):
-    return None if t is None else t.reshape(-1, *t.shape[t.dim() - keep:])
+    """t with its leading dimensions flattened into one and the last `keep` kept (t itself where
+    it already has that form: a reshape costs a dispatch per call)."""
+    if t is None or t.dim() == keep + 1:
+        return t
+    return t.reshape(-1, *t.shape[t.dim() - keep:])
 
 
 def _run_mhc(impl, streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps,
@@ -134,7 +154,8 @@ def _run_mhc(impl, streams, y, post, comb, carried_pre, fn, base, scale, norm_we
                fn, base, scale, norm_weight, spec, **kwargs)
     shapes = ((n, dim), (dim,), (n,), (n,), (n, n))
     # a distinct empty tensor per absent output: custom-op returns may not alias each other
-    return tuple(streams.new_empty(0) if t is None else t.reshape(*lead, *shape) for t, shape in zip(out, shapes))
+    return tuple(streams.new_empty(0) if t is None else t if len(lead) == 1 else t.reshape(*lead, *shape)
+                 for t, shape in zip(out, shapes))
 
 
 def mhc_unsupported(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps,

@@ -1,6 +1,7 @@
 """H200 benchmark through the compiler: what a user gets when `passes.compile` fuses their chain.
 
-    python3 -m tools.bench_compiled --out results/bench_compiled.json [--ops mhc,gate] [--dry-run]
+    python3 -m tools.bench_compiled --out results/bench_compiled.json [--ops mhc,gate] [--tokens 1,64]
+    python3 -m tools.bench_compiled --dry-run     # CPU: toy widths, the checks of 1. only, no timings
 
 The kernel benchmarks (tools.bench_mhc, tools.bench_gate) time a kernel on inputs they build. Here
 each chain is written as plain torch, the way a reader of MODEL.md writes it (V4.1 widths), and
@@ -42,7 +43,8 @@ import passes
 from tools.bench_common import Stages, default_out, require_cuda, time_graph_us
 
 TOKENS = (1, 64, 512, 4096)
-HC, DIM, EXPERTS, TOP_K = 4, 5120, 384, 6
+HC, DIM, EXPERTS, TOP_K, SINKHORN_ITERS = 4, 5120, 384, 6, 20
+DRY_RUN = dict(dim=64, experts=64, iters=3, tokens=(1, 16))  # the interpreter: toy widths, two T
 EAGER_CALLS = 200
 
 
@@ -75,14 +77,14 @@ class PlainSeam(nn.Module):
         u = collapsed * torch.rsqrt(collapsed.pow(2).mean(-1, keepdim=True) + eps) * self.norm_weight
         return X, u.to(X.dtype), pre, post_next, c
 
-    @staticmethod
-    def inputs(T: int, device, seed: int):
+    def inputs(self, T: int, device, seed: int):
         g = torch.Generator().manual_seed(seed)
-        comb = torch.softmax(torch.randn(T, HC, HC, generator=g), -1)
+        n, dim = self.n, self.norm_weight.shape[0]
+        comb = torch.softmax(torch.randn(T, n, n, generator=g), -1)
         return tuple(t.to(device) for t in (
-            torch.randn(T, HC, DIM, generator=g).bfloat16(), torch.randn(T, DIM, generator=g).bfloat16(),
-            2 * torch.rand(T, HC, generator=g), comb / comb.sum(-2, keepdim=True),
-            torch.rand(T, HC, generator=g) + 0.5))
+            torch.randn(T, n, dim, generator=g).bfloat16(), torch.randn(T, dim, generator=g).bfloat16(),
+            2 * torch.rand(T, n, generator=g), comb / comb.sum(-2, keepdim=True),
+            torch.rand(T, n, generator=g) + 0.5))
 
 
 class PlainRouter(nn.Module):
@@ -101,13 +103,19 @@ class PlainRouter(nn.Module):
         weights = scores.gather(-1, ids)
         return weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scale, ids
 
-    @staticmethod
-    def inputs(T: int, device, seed: int):
-        return (torch.randn(T, DIM, generator=torch.Generator().manual_seed(seed)).to(device),)
+    def inputs(self, T: int, device, seed: int):
+        return (torch.randn(T, self.weight.shape[1], generator=torch.Generator().manual_seed(seed)).to(device),)
 
 
-CHAINS = {"mhc": (lambda: PlainSeam(HC, DIM), PlainSeam.inputs, "mega_mhc"),
-          "gate": (lambda: PlainRouter(EXPERTS, DIM, TOP_K), PlainRouter.inputs, "mega_gate")}
+def chain(op: str, dry_run: bool) -> nn.Module:
+    """The chain at V4.1 widths, or at the dry run's."""
+    dim = DRY_RUN["dim"] if dry_run else DIM
+    if op == "mhc":
+        return PlainSeam(HC, dim, iters=DRY_RUN["iters"] if dry_run else SINKHORN_ITERS)
+    return PlainRouter(DRY_RUN["experts"] if dry_run else EXPERTS, dim, TOP_K)
+
+
+CHAINS = {"mhc": "mega_mhc", "gate": "mega_gate"}  # op -> its pass
 
 
 def eager_call_us(fn, calls: int = EAGER_CALLS) -> float:
@@ -153,18 +161,16 @@ def _fused_op_call(fused_module, op: str, args):
     return time_graph_us(call), eager_call_us(call)
 
 
-def bench_chain(op: str, T: int, log) -> dict:
-    make, make_inputs, pass_name = CHAINS[op]
-    module = make().cuda()
-    args = make_inputs(T, "cuda", seed=T)
+def bench_chain(op: str, T: int, log, dry_run: bool = False) -> dict:
+    pass_name, device = CHAINS[op], "cpu" if dry_run else "cuda"
+    module = chain(op, dry_run).to(device)
+    args = module.inputs(T, device, seed=T)
     with torch.no_grad():
         torch._dynamo.reset()
         fused = passes.compile(module, passes=[pass_name], dynamic=False)
         t0 = time.time()
         got = fused(*args)
         compile_s = time.time() - t0
-        plain = torch.compile(module, dynamic=False)
-        plain(*args)
         ref = module(*args)
         report = fused.report
         r = {"T": T, "compile_s": round(compile_s, 1), "counts": report.counts(),
@@ -175,14 +181,19 @@ def bench_chain(op: str, T: int, log) -> dict:
         if op == "mhc":
             whole = whole and all(s["has_coefficients"] and s["has_post"] for s in r["specs"])
         r["fused_whole"] = whole
+        # the same layout again on fresh inputs: the launch the first call kept (lowering.launch)
+        fresh = module.inputs(T, device, seed=T + 1)
+        r["errors_repeat"] = _errors(op, fused(*fresh), module(*fresh))
+        if dry_run:
+            log(f"{op} T={T}: whole {whole} {r['counts']}; errors {r['errors']}; repeat {r['errors_repeat']}")
+            return r
+        plain = torch.compile(module, dynamic=False)
+        plain(*args)
         r["fused_graph_us"] = time_graph_us(lambda: fused(*args))
         r["compile_graph_us"] = time_graph_us(lambda: plain(*args))
         r["eager_graph_us"] = time_graph_us(lambda: module(*args))
         r["fused_eager_call_us"] = eager_call_us(lambda: fused(*args))
         r["compile_eager_call_us"] = eager_call_us(lambda: plain(*args))
-        # the same layout again on fresh inputs: the launch the first call kept (lowering.launch)
-        fresh = make_inputs(T, "cuda", seed=T + 1)
-        r["errors_repeat"] = _errors(op, fused(*fresh), module(*fresh))
         if whole:
             r["op_graph_us"], r["op_eager_call_us"] = _fused_op_call(fused, op, args)
             r["op_launch_overhead_us"] = r["op_eager_call_us"] - r["op_graph_us"]
@@ -199,14 +210,24 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m tools.bench_compiled", description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="the results JSON (default results/bench_compiled.json)")
     ap.add_argument("--ops", default="mhc,gate", help="comma-separated: mhc, gate")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--tokens", help=f"comma-separated token counts (default {','.join(map(str, TOKENS))}; "
+                                     f"dry run {','.join(map(str, DRY_RUN['tokens']))})")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU, toy widths: that each chain fuses whole and equals eager, no timings")
     args = ap.parse_args(argv)
-    require_cuda(ap, dry_run=False)
+    require_cuda(ap, dry_run=args.dry_run)
     ops = args.ops.split(",")
     unknown = [o for o in ops if o not in CHAINS]
     if unknown:
         ap.error(f"unknown ops {unknown}; valid: {', '.join(CHAINS)}")
-    out = args.out or default_out("bench_compiled", False)
+    out = args.out or default_out("bench_compiled", args.dry_run)
+    try:
+        tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else \
+            list(DRY_RUN["tokens"] if args.dry_run else TOKENS)
+    except ValueError:
+        ap.error(f"--tokens takes comma-separated positive integers, not {args.tokens!r}")
+    if any(t < 1 for t in tokens):
+        ap.error(f"--tokens takes comma-separated positive integers, not {args.tokens!r}")
     log_file = open(out.removesuffix(".json") + ".log", "w")
 
     def log(msg):
@@ -214,14 +235,15 @@ def main(argv=None) -> int:
         print(msg, file=log_file, flush=True)
 
     import triton
-    results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+    results = {"date": datetime.date.today().isoformat(),
+               "device": "cpu (Triton interpreter)" if args.dry_run else torch.cuda.get_device_name(),
                "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
                "eager_calls": EAGER_CALLS}
     stages = Stages(results, out, log)
     for op in ops:
-        for T in map(int, args.tokens.split(",")):
-            stages.run(f"{op}_T{T}", lambda op=op, T=T: bench_chain(op, T, log))
-    rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "T" in v]
+        for T in tokens:
+            stages.run(f"{op}_T{T}", lambda op=op, T=T: bench_chain(op, T, log, args.dry_run))
+    rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "fused_graph_us" in v]
     print(f"{'chain':10s} {'whole':5s} {'fused':>8s} {'compile':>8s} {'x':>6s} {'no-graph fused':>14s} "
           f"{'no-graph compile':>16s} {'op overhead':>11s}")
     for name, r in rows:
@@ -229,6 +251,12 @@ def main(argv=None) -> int:
               f"{r['speedup_vs_compile_graph']:6.2f} {r['fused_eager_call_us']:14.2f} {r['compile_eager_call_us']:16.2f} "
               f"{r.get('op_launch_overhead_us', float('nan')):11.2f}")
     json.dump(results, open(out, "w"), indent=1, default=str)
+    chains = [v for v in results.values() if isinstance(v, dict) and "fused_whole" in v]
+    failed = [name for name, stage in results["stages"].items() if not stage["ok"]]
+    partial = [f"{r['T']}" for r in chains if not r["fused_whole"]]
+    if failed or partial:
+        log(f"FAILED: stages {failed} raised; chains not fused whole at T = {partial} (see {out})")
+        return 1
     return 0
 
 

@@ -14,6 +14,7 @@ from torch._inductor import config as inductor_config
 from model import build_model, preset
 from model.layers import RMSNorm
 from model.mhc import HyperConnection, hc_post, hc_pre
+from tests.passes.cuda_forms import CUDA_FORMS
 from tests.passes.online_softmax import ONLINE_SOFTMAX
 from tests.passes.post_grad import fuse
 from tests.passes.tiny import compile_tiny
@@ -87,6 +88,25 @@ def test_every_seam_form_matches_and_equals_the_chain(tmp_path, form, dtype, sof
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for got, want in zip(out, ref):
         assert _rel(got, want) <= tol
+
+
+@pytest.mark.parametrize("form", ["delayed", "fresh"])
+def test_a_seam_whose_projection_inductor_padded_fuses_whole(form):
+    # On GPUs Inductor zero-pads an unaligned GEMM (pad_mm): at T = 1 the fn projection reads
+    # constant_pad_nd(x) and its output is sliced back (tests/passes/cuda_forms.py does it here).
+    # The pass puts the GEMM back unpadded and the seam fuses whole; the padding and the slices go.
+    module = Seam(form, torch.bfloat16)
+    args = _inputs(1, torch.bfloat16, seed=3)
+    with torch.no_grad(), inductor_config.patch(CUDA_FORMS):
+        fused = fuse(module, ["mega_mhc"], fullgraph=True)
+        out = fused(*args)
+    [after] = fused.post_grad_graphs
+    assert fused.report.counts() == {"mega_mhc": 1}, fused.report.rejections("mega_mhc")
+    assert fused.report.matches("mega_mhc")[0].spec["has_coefficients"]
+    for gone in ("aten.constant_pad_nd", "aten.mm", "aten.slice"):
+        assert gone not in after, gone
+    for got, want in zip(out, module(*args)):
+        assert _rel(got, want) <= 1e-2
 
 
 def _frozen_seam(form, dump_dir):

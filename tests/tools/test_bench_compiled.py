@@ -1,0 +1,44 @@
+"""tools/bench_compiled.py on the CPU: the dry run compiles each plain-torch chain with the passes and
+checks that it fuses whole and equals eager (the H200 run adds the timings); its command line."""
+
+import json
+
+import pytest
+import torch
+
+from tools.bench_compiled import main
+
+
+def test_dry_run_fuses_each_chain_whole_and_equals_eager(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["--dry-run", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    chains = {name: r for name, r in results.items() if isinstance(r, dict) and "fused_whole" in r}
+    assert sorted(chains) == ["gate_T1", "gate_T16", "mhc_T1", "mhc_T16"]
+    for name, r in chains.items():
+        assert r["fused_whole"] and r["rejections"] == [], name
+        assert "fused_graph_us" not in r  # no timings on the CPU
+        for errors in (r["errors"], r["errors_repeat"]):  # the first call, then the same layout again
+            if name.startswith("gate"):
+                assert errors["ids_equal_fraction"] == 1.0 and errors["weights_rel_err"] <= 1e-5, name
+            else:  # X' and u are bf16 like the streams; the coefficients fp32
+                assert max(errors[k] for k in ("X", "u")) <= 1e-2, name
+                assert max(errors[k] for k in ("pre", "post", "comb")) <= 1e-5, name
+    assert [s["has_coefficients"] and s["has_post"] for s in chains["mhc_T1"]["specs"]] == [True]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dry-run", "--tokens", "0"], "--tokens takes comma-separated positive integers"),
+    (["--dry-run", "--ops", "attention"], "unknown ops ['attention']; valid: mhc, gate"),
+])
+def test_bad_arguments_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_timed_run_without_cuda_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--ops", "gate"])
+    assert exit_.value.code == 2 and "no CUDA device" in capsys.readouterr().err
