@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test clean
+.PHONY: run test test-fast test-all clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv --system-site-packages $(VENV)
@@ -21,8 +21,16 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/megafuse run --config tiny --passes all
 
+# test: the suite CI runs (~@@ min on 2 CPU cores); test-fast: without the `slow` tests (whole-model
+# compiles), for iteration; test-all: with the `exhaustive` ones too (hundreds of generated cases)
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not exhaustive" --durations=15
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not exhaustive" --durations=15
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV) .pytest_cache

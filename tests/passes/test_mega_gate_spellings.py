@@ -378,7 +378,7 @@ def test_near_misses_stay_unfused_with_the_reason():
     assert len({s.near_miss for s in seen}) >= 10
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_many_more_generated_spellings():
     assert len(_run(spellings(), assert_fuses_whole_and_equals_the_chain, examples=600)) >= 500
     assert len({s.near_miss for s in _run(near_misses(), assert_refused_with_the_reason, examples=200)}) == \

@@ -122,12 +122,12 @@ def test_spellings_that_change_the_maths_are_refused_with_their_reason():
     assert len(refused) >= 10 and sum(map(len, refused.values())) >= 20
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_many_more_equivalent_spellings_fuse_whole():
     assert len(_fused_spellings(600)) >= 500
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_many_more_near_misses_are_refused():
     refused = _near_misses(12)
     assert len(refused) == len(NEAR_MISSES) and sum(map(len, refused.values())) >= 8 * len(NEAR_MISSES)
