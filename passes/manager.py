@@ -56,9 +56,15 @@ class PassManager(CustomGraphPass):
         and the lowering package, whose support checks the passes consult)."""
         key = {
             "passes": [(p.name, p.options, p.source()) for p in self.passes],  # (a user's pass lives elsewhere)
-            "code": [(path.name, path.read_text()) for path in _DECIDING_MODULES],
+            "code": [(str(path.relative_to(_ROOT)), path.read_text()) for path in _deciding_modules()],
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
-_DECIDING_MODULES = sorted((*Path(__file__).parent.glob("*.py"), *(Path(__file__).parent.parent / "lowering").glob("*.py")))
+_ROOT = Path(__file__).parent.parent
+
+
+def _deciding_modules() -> list[Path]:
+    """Every module of passes/ and lowering/, packages included: what decides a match or a support
+    check lives there (read at each uuid(), so a module added later counts too)."""
+    return sorted(path for folder in ("passes", "lowering") for path in (_ROOT / folder).rglob("*.py"))

@@ -21,18 +21,24 @@ def test_uuid_depends_on_enabled_passes_options_and_source(monkeypatch):
 
 def test_uuid_covers_every_module_that_decides_a_fusion(tmp_path, monkeypatch):
     # the graph readers and the lowering's support checks decide what fuses, so an edit to any of
-    # them must change the key Inductor's cache serves graphs by
+    # them, or a module added to a package below them, must change the key Inductor's cache
+    # serves graphs by
+    import shutil
     import passes.manager as manager
-    modules = list(manager._DECIDING_MODULES)
-    assert {("passes", "graph.py"), ("passes", "base.py"), ("lowering", "mega_gate.py"),
-            ("lowering", "mega_mhc.py")} <= {(p.parent.name, p.name) for p in modules}
+    for folder in ("passes", "lowering"):
+        shutil.copytree(manager._ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     base = PassManager("all").uuid()
-    for module in [p for p in modules if p.name == "graph.py" or p.parent.name == "lowering"][:3]:
-        edited = tmp_path / module.parent.name / module.name
-        edited.parent.mkdir(exist_ok=True)
-        edited.write_text(module.read_text() + "\n# an edit\n")
-        monkeypatch.setattr(manager, "_DECIDING_MODULES", [edited if p == module else p for p in modules])
+    monkeypatch.setattr(manager, "_ROOT", tmp_path)
+    assert PassManager("all").uuid() == base  # the same code elsewhere: the same key
+    for module in ("passes/graph.py", "passes/base.py", "lowering/mega_gate.py", "lowering/mega_mhc.py"):
+        path = tmp_path / module
+        original = path.read_text()
+        path.write_text(original + "\n# an edit\n")
         assert PassManager("all").uuid() != base, module
+        path.write_text(original)
+    (tmp_path / "lowering" / "a_package").mkdir()
+    (tmp_path / "lowering" / "a_package" / "support.py").write_text("SUPPORTED = ()\n")
+    assert PassManager("all").uuid() != base
 
 
 def test_a_graph_served_from_inductors_cache_brings_its_report(tmp_path, monkeypatch):
