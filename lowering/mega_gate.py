@@ -581,7 +581,7 @@ def choose_config(spec: GateSpec, n_tokens: int, *, device: torch.device | str =
       T > 2048    BLOCK_T 128, BLOCK_E 64,  8 warps, D in 2 slices (2 slices sum in either order
                   to the same bits), 8-row epilogue jobs
     Slice widths are powers of two below 2048 tokens, so a handful of binaries covers every T (the
-    width is a constexpr). Measured alternatives (results/bench_gate.json): the tiled variant
+    width is a constexpr). Measured alternatives (results/mega_gate/bench.json): the tiled variant
     (whole D per job, plain stores) is 10% slower than 2 slices at T=4096 and 7x slower at T=512
     (too few jobs); "the last GEMM job of a tile selects" is 1.3x slower at T=1 and 3x at T=64
     (selection is compute-bound in one CTA), hence the separate epilogue jobs.

@@ -57,7 +57,7 @@ EXAMPLES = """examples:
   megafuse ablate --config tiny --passes mega_gate --repeat 1   # sweep one pass: none vs mega_gate
   megafuse ablate --config tiny --json ablate.json --png ablate.png
   megafuse ablate --config tiny --layer 2                       # one block: four compiles of ~20 s on CPU
-  megafuse ablate --config proxy --device cuda --prompt-len 64 --json results/ablate_proxy.json
+  megafuse ablate --config proxy --device cuda --prompt-len 64 --json results/tools/ablate_proxy.json
 
 With n passes there are up to 2n + 2 configurations; each is a full compile (about 1.5 minutes for
 tiny on CPU).

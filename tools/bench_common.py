@@ -19,11 +19,13 @@ def require_cuda(parser, dry_run: bool) -> None:
                      "--dry-run runs its correctness part on CPU through the Triton interpreter")
 
 
-def default_out(name: str, dry_run: bool) -> str:
-    """Where a benchmark writes its JSON (and log) when --out is not given: results/<name>.json for
-    a GPU run; a dry run (CPU, toy sizes, no timings) writes <temp dir>/<name>_dry_run.json, so it
-    never replaces the committed H200 results (stop 17's dry run once did)."""
-    return os.path.join(tempfile.gettempdir(), f"{name}_dry_run.json") if dry_run else f"results/{name}.json"
+def default_out(folder: str, dry_run: bool) -> str:
+    """Where a benchmark writes its JSON (and log) when --out is not given: results/<folder>/bench.json
+    for a GPU run; a dry run (CPU, toy sizes, no timings) writes <temp dir>/<folder>_bench_dry_run.json,
+    so it never replaces the committed H200 results."""
+    if dry_run:
+        return os.path.join(tempfile.gettempdir(), f"{folder}_bench_dry_run.json")
+    return os.path.join("results", folder, "bench.json")
 
 
 def time_graph_us(fn, rep: int = 60) -> float:

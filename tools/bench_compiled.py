@@ -1,6 +1,6 @@
 """H200 benchmark through the compiler: what a user gets when `passes.compile` fuses their chain.
 
-    python3 -m tools.bench_compiled --out results/bench_compiled.json [--ops mhc,gate] [--tokens 1,64]
+    python3 -m tools.bench_compiled --out results/compiled/bench.json [--ops mhc,gate] [--tokens 1,64]
     python3 -m tools.bench_compiled --dry-run     # CPU: toy widths, the checks of 1. only, no timings
 
 The kernel benchmarks (tools.bench_mhc, tools.bench_gate) time a kernel on inputs they build. Here
@@ -208,7 +208,7 @@ def bench_chain(op: str, T: int, log, dry_run: bool = False) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m tools.bench_compiled", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", help="the results JSON (default results/bench_compiled.json)")
+    ap.add_argument("--out", help="the results JSON (default results/compiled/bench.json)")
     ap.add_argument("--ops", default="mhc,gate", help="comma-separated: mhc, gate")
     ap.add_argument("--tokens", help=f"comma-separated token counts (default {','.join(map(str, TOKENS))}; "
                                      f"dry run {','.join(map(str, DRY_RUN['tokens']))})")
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     unknown = [o for o in ops if o not in CHAINS]
     if unknown:
         ap.error(f"unknown ops {unknown}; valid: {', '.join(CHAINS)}")
-    out = args.out or default_out("bench_compiled", args.dry_run)
+    out = args.out or default_out("compiled", args.dry_run)
     try:
         tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else \
             list(DRY_RUN["tokens"] if args.dry_run else TOKENS)

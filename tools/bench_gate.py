@@ -1,6 +1,6 @@
 """H200 benchmark of the fused Mega-Gate kernel (lowering/mega_gate.py) against plain torch.
 
-    python3 -m tools.bench_gate --out results/bench_gate.json [--sweep] [--dry-run]
+    python3 -m tools.bench_gate --out results/mega_gate/bench.json [--sweep] [--dry-run]
 
 V4.1-Flash router: D=5120, E=384, k=6, sqrtsoftplus, selection bias, renorm (eps 1e-20), x1.5, fp32
 gate weight, fp32 u (the model feeds u.float()); T in {1, 64, 512, 4096}. For each T:
@@ -325,14 +325,14 @@ def sync_state_clean() -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="the results JSON (default results/bench_gate.json; --dry-run: a temp file)")
+    ap.add_argument("--out", help="the results JSON (default results/mega_gate/bench.json; --dry-run: a temp file)")
     ap.add_argument("--sweep", action="store_true", help="also time a set of launch configs per T")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, toy sizes, no timings")
     ap.add_argument("--check-only", action="store_true", help="CUDA correctness, ties, graph replay; no timings")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     args = ap.parse_args(argv)
     require_cuda(ap, args.dry_run)
-    args.out = args.out or default_out("bench_gate", args.dry_run)
+    args.out = args.out or default_out("mega_gate", args.dry_run)
     tokens = [int(t) for t in args.tokens.split(",")]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     log_path = os.path.splitext(args.out)[0] + ".log"

@@ -1,7 +1,7 @@
 """H200 benchmark of the fused Mega-mHC kernel (lowering/mega_mhc.py) against plain torch.
 
-    python3 -m tools.bench_mhc --out results/bench_mhc.json [--sweep] [--trace] [--dry-run] [--tokens 1,64]
-    python3 -m tools.bench_mhc --leave-out --out results/bench_mhc_leave_out.json [--tokens 64,512,4096]
+    python3 -m tools.bench_mhc --out results/mega_mhc/bench.json [--sweep] [--trace] [--dry-run] [--tokens 1,64]
+    python3 -m tools.bench_mhc --leave-out --out results/mega_mhc/leave_out.json [--tokens 64,512,4096]
 
 V4.1-Flash seam: D=5120, n=4, bf16 streams, the delayed form (post + coefficients + carried pre +
 RMSNorm), 20 Sinkhorn iterations, eps 1e-6 / 1e-20; T in {1, 64, 512, 4096}. In one run:
@@ -256,8 +256,8 @@ def sweep_configs(T: int) -> list[LaunchConfig]:
     if T <= 16:
         return [C(16, 64, 64, 8), C(16, 32, 32, 16, num_warps=2), C(16, 32, 64, 8)]
     if T <= 128:
-        # 4 tiles x 27 slices + 5 rescale jobs a tile = 128 programs, one per SM; first the stop-13
-        # row (its rescale not pipelined) and the stop-12 row (10 rescale jobs a tile, one copy)
+        # 4 tiles x 27 slices + 5 rescale jobs a tile = 128 programs, one per SM; first the tuned row
+        # without its pipelined rescale, and a row of 32 rescale jobs a tile with one copy
         return [C(16, 64, 192, 5, pipeline_stages=3, acc_copies=4),
                 C(16, 64, 192, 32, pipeline_stages=3), C(16, 64, 192, 5, pipeline_stages=3),
                 C(16, 64, 192, 5, pipeline_stages=3, acc_copies=8), C(16, 64, 192, 32, pipeline_stages=3, acc_copies=4),
@@ -470,7 +470,7 @@ def bench_T(T: int, device, cfg: LaunchConfig, log) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="the results JSON (default results/bench_mhc.json; --dry-run: a temp file)")
+    ap.add_argument("--out", help="the results JSON (default results/mega_mhc/bench.json; --dry-run: a temp file)")
     ap.add_argument("--sweep", action="store_true", help="time launch configs per T; bench the fastest")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, toy sizes, correctness only")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
@@ -484,7 +484,7 @@ def main(argv=None) -> int:
     if args.leave_out and (args.dry_run or args.sweep):
         ap.error("--leave-out times the tuned launch on CUDA: not with --dry-run or --sweep")
     require_cuda(ap, args.dry_run)
-    args.out = args.out or default_out("bench_mhc", args.dry_run)
+    args.out = args.out or default_out("mega_mhc", args.dry_run)
     tokens = [int(t) for t in args.tokens.split(",")]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     log_file = open(os.path.splitext(args.out)[0] + ".log", "w")

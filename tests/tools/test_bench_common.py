@@ -23,7 +23,7 @@ def test_a_gpu_run_without_cuda_is_a_usage_error(main, argv, tmp_path, capsys):
 
 
 def test_a_dry_run_never_writes_the_committed_results_by_default(tmp_path, monkeypatch):
-    # results/<name>.json holds H200 runs; a dry run without --out goes to the temp dir
+    # results/<op>/bench.json holds H200 runs; a dry run without --out goes to the temp dir
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    assert default_out("bench_mhc", dry_run=False) == "results/bench_mhc.json"
-    assert default_out("bench_mhc", dry_run=True) == str(tmp_path / "bench_mhc_dry_run.json")
+    assert default_out("mega_mhc", dry_run=False) == "results/mega_mhc/bench.json"
+    assert default_out("mega_mhc", dry_run=True) == str(tmp_path / "mega_mhc_bench_dry_run.json")
