@@ -26,6 +26,14 @@ def layout_key(*tensors) -> tuple:
                   for t in tensors])
 
 
+def device_key(device: torch.device) -> str:
+    """The key of a device's persistent state: "cuda:<index>" (the current device where none is
+    given), else the device's name."""
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return str(device)
+
+
 def empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.empty(shape) contiguous. On the current CUDA device it goes through the allocator entry
     Inductor's generated wrappers use, which skips torch.empty's argument parsing: a few

@@ -88,7 +88,7 @@ import triton.language  # noqa: F401  (import Triton before any kernel module: s
 from model.moe import route
 
 from . import kernel_cache
-from .launch import PreparedLaunches, empty, layout_key
+from .launch import PreparedLaunches, device_key, empty, layout_key
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -637,7 +637,7 @@ def _num_sms(device: torch.device) -> int:
     """Multiprocessors of a CUDA device; 1 for the interpreter (it always claims jobs)."""
     if device.type != "cuda":
         return 1
-    key = _device_key(device)
+    key = device_key(device)
     if key not in _sm_counts:
         _sm_counts[key] = torch.cuda.get_device_properties(device).multi_processor_count
     return _sm_counts[key]
@@ -662,15 +662,9 @@ _states: dict[str, _DeviceState] = {}
 _state_lock = threading.Lock()
 
 
-def _device_key(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-    return str(device)
-
-
 def _state_buffers(device: torch.device, n_tiles: int, ws_elems: int):
     with _state_lock:
-        st = _states.setdefault(_device_key(device), _DeviceState())
+        st = _states.setdefault(device_key(device), _DeviceState())
         need_sync = 2 + max(n_tiles, 1)
         if st.sync is None or st.sync.numel() < need_sync:
             _check_not_capturing(device, "sync buffer")
@@ -701,11 +695,18 @@ def reserve_workspace(spec: GateSpec, max_tokens: int, device: torch.device | st
 
 def reset_workspace(device: torch.device | str = "cuda") -> None:
     """Zero the sync state again (only needed after a launch was aborted mid-way)."""
-    st = _states.get(_device_key(torch.device(device)))
+    st = _states.get(device_key(torch.device(device)))
     if st is not None:
         for buf in (st.sync, st.workspace):
             if buf is not None:
                 buf.zero_()
+
+
+def sync_state_is_clear(device: torch.device | str = "cuda") -> bool:
+    """Whether the device's persistent sync buffer and workspace are all zero, as every completed
+    launch leaves them (synchronise first: a launch in flight has them in use)."""
+    st = _states.get(device_key(torch.device(device)))
+    return st is None or not any(bool(buf.any()) for buf in (st.sync, st.workspace) if buf is not None)
 
 
 # ----------------------------------------------------------------------------------------------

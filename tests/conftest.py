@@ -19,3 +19,11 @@ def tiny_model(tiny_fp32):
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(items):
+    # a test that compiles a whole model through the tool tests' shared cache is slow
+    for item in items:
+        if "cached_compiles" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

@@ -1,4 +1,4 @@
-"""H200 benchmark of the fused Mega-mHC kernel (lowering/mega_mhc.py) against plain torch.
+"""H200 benchmark of the fused Mega-mHC kernel (lowering/mega_mhc/) against plain torch.
 
     python3 -m tools.bench_mhc --out results/mega_mhc/bench.json [--sweep] [--trace] [--dry-run] [--tokens 1,64]
     python3 -m tools.bench_mhc --leave-out --out results/mega_mhc/leave_out.json [--tokens 64,512,4096]
@@ -205,7 +205,7 @@ def correctness_suite(device, dry: bool, log) -> list:
             r = {"ok": False, "error": repr(e)[:800]}
         used = cfg or mm.choose_config(spec, T, device=device, variant=variant)
         r.update(form=name, dtype=spec.stream_dtype, D=spec.dim, T=T, config=dataclasses.asdict(used),
-                 variant=mm._plan(spec, used, T)["variant"], seconds=round(time.time() - t0, 2))
+                 variant=mm.plan(spec, used, T)["variant"], seconds=round(time.time() - t0, 2))
         rows.append(r)
         errs = {k: (f"{r[k]:.1e}" if isinstance(r.get(k), float) else r.get(k)) for k in OUT_NAMES if k in r}
         log(f"  {name:24s} {spec.stream_dtype:8s} D={spec.dim:5d} T={T:5d} {r['variant']:5s} "
@@ -241,7 +241,7 @@ def graph_replay_check(device, log) -> dict:
 def sync_state_clean() -> dict:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return {dev: int((st.sync != 0).sum()) if st.sync is not None else 0 for dev, st in mm._states.items()}
+    return {dev: int((st.sync != 0).sum()) if st.sync is not None else 0 for dev, st in mm.states.items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -287,8 +287,9 @@ def run_sweep(T: int, device, log) -> list:
     configs = [tuned] + [c for c in sweep_configs(T) if c != tuned] + [
         dataclasses.replace(tuned, **{flag: not getattr(tuned, flag)}) for flag in flags]
     for cfg in dict.fromkeys(configs):  # (a neighbour may be the tuned row)
-        r = {"config": dataclasses.asdict(cfg), "plan": mm._plan(V41, cfg, T)}
-        try:
+        r = {"config": dataclasses.asdict(cfg)}
+        try:  # (a flipped flag may be one the plan refuses at this T)
+            r["plan"] = mm.plan(V41, cfg, T)
             t0 = time.time()
             got = mm.mega_mhc(*args, V41, config=cfg, out=poisoned_outputs(V41, T, device))
             torch.cuda.synchronize()
@@ -320,7 +321,7 @@ def trace_T(T: int, device, cfg: LaunchConfig, log, replays: int = 7, leave_out:
         graph.replay()
         torch.cuda.synchronize()
         rows.append(trace.cpu())
-    out = {"config": dataclasses.asdict(cfg), "plan": mm._plan(V41, cfg, T), "replays": replays,
+    out = {"config": dataclasses.asdict(cfg), "plan": mm.plan(V41, cfg, T), "replays": replays,
            **summarise_traces(rows)}
     log(f"  T={T} trace: span {out['span_us']:.2f} us, {out['plan']['n_jobs']} programs ({cfg})")
     for role, r in out["roles"].items():
@@ -410,7 +411,7 @@ def seam_bytes(T: int, spec: MhcSpec = V41) -> int:
 
 def bench_T(T: int, device, cfg: LaunchConfig, log) -> dict:
     args = make_inputs(V41, T, device, seed=T)
-    r = {"T": T, "config": dataclasses.asdict(cfg), "plan": mm._plan(V41, cfg, T)}
+    r = {"T": T, "config": dataclasses.asdict(cfg), "plan": mm.plan(V41, cfg, T)}
     got = mm.mega_mhc(*args, V41, config=cfg, out=poisoned_outputs(V41, T, device))
     torch.cuda.synchronize()
     r["check"] = compare(V41, got, mm.reference(*args, V41))

@@ -76,12 +76,12 @@ def build_mhc(form: str, T: int, config: mega_mhc.LaunchConfig | None = None) ->
 
 def h200_build(module, launcher, *args, config, **kwargs) -> offline.Build:
     """`offline.build_kernel` of a launch as the H200 runs it. For Mega-mHC that is the co-resident
-    build only where its launcher would pick it there (`mega_mhc._fits_at_once`: a
+    build only where its launcher would pick it there (`mega_mhc.fits_at_once`: a
     `co_resident_candidate` grid that the build's occupancy holds), else the build whose jobs are
     claimed."""
     if module is mega_mhc and getattr(config, "co_resident", False):
         spec = next(a for a in args if isinstance(a, mega_mhc.MhcSpec))
-        if not mega_mhc.co_resident_candidate(mega_mhc._plan(spec, config, args[0].shape[0])["n_jobs"], H200_SMS):
+        if not mega_mhc.co_resident_candidate(mega_mhc.plan(spec, config, args[0].shape[0])["n_jobs"], H200_SMS):
             config = dataclasses.replace(config, co_resident=False)
     build = offline.build_kernel(module, launcher, *args, config=config, **kwargs)
     if build.constexprs.get("CO_RESIDENT") and build.grid[0] > build.programs_per_sm() * H200_SMS:

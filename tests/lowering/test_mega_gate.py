@@ -201,8 +201,7 @@ def test_sync_state_is_left_all_zero():
     u, w, b = grid_inputs(spec, 33, seed=5)
     for variant in ("split", "tiled"):
         mega_gate(u, w, b, spec, variant=variant)
-        state = mg._states["cpu"]
-        assert not state.sync.any() and not state.workspace.any()
+        assert mg.sync_state_is_clear("cpu")
 
 
 def test_dirty_sync_state_is_reset_with_a_warning():

@@ -1,4 +1,4 @@
-"""Mega-mHC kernel (lowering/mega_mhc.py) against its torch reference, on CPU via the interpreter.
+"""Mega-mHC kernel (lowering/mega_mhc/) against its torch reference, on CPU via the interpreter.
 
 The kernel source is the one CUDA compiles; here the Triton interpreter runs it, atomics, the job
 counter and the epilogue jobs' waits included. Inputs have the model's scales: unit streams and
@@ -112,7 +112,7 @@ def run_case(spec, T, how, seed, **input_kw):
     kw = {"variant": how} if isinstance(how, str) else {"config": how}
     out = mega_mhc(*args, spec, out=poisoned(spec, T), **kw)
     assert_matches_reference(spec, args, out)
-    plan = mm._plan(spec, how if not isinstance(how, str) else mm.choose_config(spec, T, device="cpu", variant=how), T)
+    plan = mm.plan(spec, how if not isinstance(how, str) else mm.choose_config(spec, T, device="cpu", variant=how), T)
     return plan
 
 
@@ -215,7 +215,7 @@ def test_claimed_jobs_equal_co_resident_jobs(form):
     assert_matches_reference(spec, args, claimed)
     for got, want in zip(mega_mhc(*args, spec, config=cfg), claimed):
         assert torch.equal(got, want)
-    assert not mm._states["cpu"].sync.any()
+    assert not mm.states["cpu"].sync.any()
 
 
 @pytest.mark.parametrize("at_once", [False, True])  # the rescale jobs' own parts in one block or the loop
@@ -231,7 +231,7 @@ def test_handoff_jobs_equal_co_resident_jobs_in_every_order(form, at_once):
     T = 37
     args = make_inputs(spec, T, seed=68)
     cfg = LaunchConfig(16, 32, 128, r_splits=2, acc_copies=2, rescale_at_once=at_once)
-    plan = mm._plan(spec, dataclasses.replace(cfg, handoff=True), T)
+    plan = mm.plan(spec, dataclasses.replace(cfg, handoff=True), T)
     assert plan["rescale_at_once"] == at_once
     n_a = plan["n_tiles"] * plan["n_splits"]
     assert plan["handoff"] and (plan["n_tiles"], plan["n_splits"], plan["r_splits"]) == (3, 5, 2)
@@ -241,7 +241,7 @@ def test_handoff_jobs_equal_co_resident_jobs_in_every_order(form, at_once):
         got = mega_mhc(*args, spec, config=dataclasses.replace(cfg, handoff=True), out=poisoned(spec, T),
                        job_rotation=rotation)
         assert_matches_reference(spec, args, got)
-        assert not mm._states["cpu"].sync.any() and not mm._states["cpu"].acc.any()
+        assert not mm.states["cpu"].sync.any() and not mm.states["cpu"].acc.any()
         for name, a, b in zip(OUTPUTS, got, co_resident):
             if rotation == 0 or name != "u":
                 assert (a is None and b is None) or torch.equal(a, b), (rotation, name)
@@ -252,14 +252,19 @@ def test_handoff_jobs_equal_co_resident_jobs_in_every_order(form, at_once):
 def test_handoff_applies_to_the_carried_pre_only_and_job_rotation_needs_it():
     cfg = LaunchConfig(16, 32, 32, r_splits=3, handoff=True)
     fresh, carried = make_spec("v4_fresh"), make_spec("delayed")
-    assert not mm._plan(fresh, cfg, 37)["handoff"]  # its collapse jobs wait on the merge itself
-    assert mm._plan(carried, cfg, 37)["handoff"]
-    assert not mm._plan(carried, dataclasses.replace(cfg, r_splits=0), 37)["handoff"]  # no rescale jobs
-    run_case(fresh, 37, cfg, seed=69)  # then co-resident / claimed, as without it
+    with pytest.raises(ValueError, match="handoff=True needs the carried pre"):
+        mm.plan(fresh, cfg, 37)  # its collapse jobs wait on the merge itself
+    assert mm.plan(carried, cfg, 37)["handoff"]
+    with pytest.raises(ValueError, match="handoff=True needs 1..15 rescale jobs a token tile"):
+        mm.plan(carried, dataclasses.replace(cfg, r_splits=0), 37)  # no rescale jobs
+    with pytest.raises(ValueError, match="handoff=True needs the carried pre"):
+        mega_mhc(*make_inputs(fresh, 37, seed=69), fresh, config=cfg)
+    # the table's rows are adapted to the spec instead: no handoff where it cannot run
+    assert mm.choose_config(carried, 1).handoff and not mm.choose_config(fresh, 1).handoff
     args = make_inputs(carried, 37, seed=70)
     with pytest.raises(ValueError, match="job_rotation=1 needs a launch with handoff"):
         mega_mhc(*args, carried, config=dataclasses.replace(cfg, handoff=False), job_rotation=1)
-    n_jobs = mm._plan(carried, cfg, 37)["n_jobs"]
+    n_jobs = mm.plan(carried, cfg, 37)["n_jobs"]
     with pytest.raises(ValueError, match=f"a value in 0..{n_jobs - 1}"):
         mega_mhc(*args, carried, config=cfg, job_rotation=n_jobs)
 
@@ -277,15 +282,23 @@ def test_rescale_at_once_equals_the_block_loop(form):
                                             (600, 70, LaunchConfig(64, 32, 128, r_splits=2), 3, False)):
         spec = make_spec(form, "bfloat16", dim=dim)
         args = make_inputs(spec, T, seed=dim + T)
-        plan = mm._plan(spec, dataclasses.replace(cfg, rescale_at_once=True), T)
+        if not at_once:
+            with pytest.raises(ValueError, match="rescale_at_once=True needs a power of two of rescale blocks"):
+                mm.plan(spec, dataclasses.replace(cfg, rescale_at_once=True), T)
+            continue
+        plan = mm.plan(spec, dataclasses.replace(cfg, rescale_at_once=True), T)
         assert (plan["r_per_job"], plan["rescale_at_once"]) == (r_per_job, at_once)
         got = mega_mhc(*args, spec, config=dataclasses.replace(cfg, rescale_at_once=True), out=poisoned(spec, T))
         assert_matches_reference(spec, args, got)
-        assert not mm._states["cpu"].sync.any() and not mm._states["cpu"].acc.any()
+        assert not mm.states["cpu"].sync.any() and not mm.states["cpu"].acc.any()
         for name, a, b in zip(OUTPUTS, got, mega_mhc(*args, spec, config=cfg)):
             assert (a is None and b is None) or torch.equal(a, b), (name, dim, cfg)
     fresh = make_spec("v4_fresh", "bfloat16", dim=600)
-    assert not mm._plan(fresh, LaunchConfig(16, 32, 128, r_splits=2, rescale_at_once=True), 37)["rescale_at_once"]
+    with pytest.raises(ValueError, match="rescale_at_once=True needs the carried pre"):
+        mm.plan(fresh, LaunchConfig(16, 32, 128, r_splits=2, rescale_at_once=True), 37)
+    # the table's rows are adapted to the spec instead: the block loop where at once cannot run
+    assert not mm.choose_config(fresh, 64).rescale_at_once
+    assert mm.choose_config(make_spec("delayed"), 64).rescale_at_once
 
 
 @pytest.mark.parametrize("form", ["delayed", "first_seam", "v4_fresh"])  # with coefficients: carried, no post, fresh
@@ -329,10 +342,10 @@ def test_a_cuda_launch_is_co_resident_only_when_its_build_fits_the_device(monkey
 
     cuda = torch.device("cuda")
     two_a_sm, one_a_sm = Kernel(239, 88064), Kernel(128, 200 * 1024)
-    assert mm._fits_at_once(two_a_sm, (264,), (), {}, cuda) and not mm._fits_at_once(one_a_sm, (133,), (), {}, cuda)
-    assert mm._fits_at_once(one_a_sm, (132,), (), {}, cuda)
+    assert mm.fits_at_once(two_a_sm, (264,), (), {}, cuda) and not mm.fits_at_once(one_a_sm, (133,), (), {}, cuda)
+    assert mm.fits_at_once(one_a_sm, (132,), (), {}, cuda)
     assert built == [(264,), (133,), (132,)]
-    assert mm.CO_RESIDENT_CANDIDATE_PER_SM == 2 and not mm._fits_at_once(two_a_sm, (265,), (), {}, cuda)
+    assert mm.CO_RESIDENT_CANDIDATE_PER_SM == 2 and not mm.fits_at_once(two_a_sm, (265,), (), {}, cuda)
     assert len(built) == 3  # (265,) was refused without a build
 
 
@@ -349,13 +362,13 @@ def test_split_launches_leave_the_persistent_state_zero():
     run_case(make_spec("v4_fresh"), 37, LaunchConfig(16, 32, 32, r_splits=3, acc_copies=3), seed=64)
     run_case(make_spec("delayed", "bfloat16"), 37, LaunchConfig(16, 32, 32, r_splits=2, acc_copies=4), seed=65)
     run_case(make_spec("delayed"), 20, LaunchConfig(16, 32, 32, acc_copies=2), seed=66)
-    st = mm._states["cpu"]
+    st = mm.states["cpu"]
     assert not st.sync.any() and not st.acc.any()
 
 
 def tile_counters(n_splits, r_splits, n_tiles):
     """A copy of the MONOTONIC token-tile counters (arrivals, rescale tickets) of the first tiles."""
-    state = mm._states.get("cpu")
+    state = mm.states.get("cpu")
     ctr = state.tiles.get((n_splits, r_splits)) if state is not None else None
     return torch.zeros(n_tiles, 2, dtype=torch.int64) if ctr is None else ctr[:2 * n_tiles].view(-1, 2).clone()
 
@@ -368,7 +381,7 @@ def test_monotonic_launches_add_one_launch_to_each_tile_and_reset_nothing():
     # equals the reference; the sync words and the accumulator stay zero.
     cfg = LaunchConfig(16, 32, 128, r_splits=2, acc_copies=2)
     carried = make_spec("delayed", "bfloat16", dim=600)  # 5 slices and two 512-column rescale parts a tile
-    plan = mm._plan(carried, cfg, 37)
+    plan = mm.plan(carried, cfg, 37)
     assert (plan["n_tiles"], plan["n_splits"], plan["r_splits"]) == (3, 5, 2) and not plan["handoff"]
     before = tile_counters(5, 2, 3)
     expected = before.clone()
@@ -382,7 +395,7 @@ def test_monotonic_launches_add_one_launch_to_each_tile_and_reset_nothing():
                       (make_spec("v4_fresh", "bfloat16", dim=600), cfg)):
         run_case(spec, 37, how, seed=90)
         assert torch.equal(tile_counters(5, 2, 3), expected), (spec.form(), how)
-    st = mm._states["cpu"]
+    st = mm.states["cpu"]
     assert not st.sync.any() and not st.acc.any()
     assert torch.equal(expected - before, torch.tensor([[25, 10], [20, 8], [15, 6]]))
 
@@ -412,7 +425,7 @@ def test_inconsistent_tile_counters_are_reset_with_a_warning_not_used():
     cfg = LaunchConfig(16, 32, 128, r_splits=2)
     spec = make_spec("delayed", "bfloat16", dim=600)
     run_case(spec, 37, cfg, seed=92)
-    mm._states["cpu"].tiles[(5, 2)][1] += 1  # tile 0: a rescale ticket without its launch
+    mm.states["cpu"].tiles[(5, 2)][1] += 1  # tile 0: a rescale ticket without its launch
     with pytest.warns(UserWarning, match="token-tile counters were left inconsistent"):
         run_case(spec, 37, cfg, seed=93)
     assert torch.equal(tile_counters(5, 2, 3), torch.tensor([[5, 2]] * 3))
@@ -427,9 +440,9 @@ def test_pdl_is_asked_for_on_cuda_devices_from_sm90_only(monkeypatch):
     cfg, cuda = LaunchConfig(16, 32, 64), torch.device("cuda")
     for capability, pdl in (((9, 0), True), ((10, 0), True), ((8, 9), False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert mm._pdl_options(cfg, cuda) == ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
-        assert mm._pdl_options(dataclasses.replace(cfg, pdl=False), cuda) == {"PDL": False}
-    assert mm._pdl_options(cfg, torch.device("cpu")) == {"PDL": False}  # the interpreter
+        assert mm.pdl_options(cfg, cuda) == ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
+        assert mm.pdl_options(dataclasses.replace(cfg, pdl=False), cuda) == {"PDL": False}
+    assert mm.pdl_options(cfg, torch.device("cpu")) == {"PDL": False}  # the interpreter
 
 
 def test_unsupported_specs_give_reasons():
@@ -573,7 +586,7 @@ def test_presplit_fn_needs_bf16_streams_and_coefficients(form, dtype):
 def test_trace_is_cuda_only_and_checked():
     spec = make_spec()
     cfg = LaunchConfig(16, 32, 64, r_splits=2)
-    assert mm.trace_shape(spec, 37, cfg) == (mm._plan(spec, cfg, 37)["n_jobs"], len(mm.TRACE_EVENTS))
+    assert mm.trace_shape(spec, 37, cfg) == (mm.plan(spec, cfg, 37)["n_jobs"], len(mm.TRACE_EVENTS))
     trace = torch.zeros(mm.trace_shape(spec, 37, cfg), dtype=torch.int64)
     with pytest.raises(ValueError, match="trace needs a CUDA device"):
         mega_mhc(*make_inputs(spec, 37, seed=1), spec, config=cfg, trace=trace)
@@ -659,8 +672,8 @@ def test_choose_config_sub_tiles_only_where_fn_pieces_are_shared():
         assert (cfg.block_d, cfg.split_cols, cfg.r_splits) == (sub2.block_d, sub2.split_cols, sub2.r_splits)
     # every CUDA row is split; the tiled variant only when forced (and on the CPU)
     spec = make_spec("delayed", "bfloat16", dim=5120)
-    assert all(mm._plan(spec, mm.choose_config(spec, T), T)["variant"] == "split" for T in (1, 64, 512, 4096, 10 ** 5))
-    assert mm._plan(spec, mm.choose_config(spec, 4096, variant="tiled"), 4096)["variant"] == "tiled"
+    assert all(mm.plan(spec, mm.choose_config(spec, T), T)["variant"] == "split" for T in (1, 64, 512, 4096, 10 ** 5))
+    assert mm.plan(spec, mm.choose_config(spec, 4096, variant="tiled"), 4096)["variant"] == "tiled"
     assert mm.choose_config(spec, 4096, device="cpu").sub_tiles == 1
 
 
@@ -668,12 +681,12 @@ def test_reserve_sync_covers_every_smaller_launch(monkeypatch):
     # the table's 16-token band has more tiles at T=512 (32) than the 32-token band at T=544 (17);
     # reserve_sync sizes for the most of any launch up to max_tokens, so none allocates later
     grown, counters = [], {}
-    monkeypatch.setattr(mm, "_split_buffers", lambda device, n_tiles, acc: grown.append((n_tiles, acc)))
-    monkeypatch.setattr(mm, "_tile_counters", lambda device, n_splits, r_splits, n_tiles: counters.__setitem__(
+    monkeypatch.setattr(mm.state, "split_buffers", lambda device, n_tiles, acc: grown.append((n_tiles, acc)))
+    monkeypatch.setattr(mm.state, "tile_counters", lambda device, n_splits, r_splits, n_tiles: counters.__setitem__(
         (n_splits, r_splits), max(counters.get((n_splits, r_splits), 0), n_tiles)))
     spec = make_spec("delayed", "bfloat16", dim=5120)
     mm.reserve_sync(spec, 544, device="cuda")  # (the table only: the allocators are replaced)
-    launches = [(mm._plan(spec, cfg, T), cfg)
+    launches = [(mm.plan(spec, cfg, T), cfg)
                 for T in range(1, 545) for cfg in [mm.choose_config(spec, T, device="cuda")]]
     assert grown == [(max(p["n_tiles"] for p, _ in launches), max(p["acc_elems"] for p, _ in launches))]
     # every launch that may run MONOTONIC (epilogue jobs, carried pre) has its tile counters, for
@@ -694,7 +707,7 @@ def test_accumulator_copies_are_at_most_one_per_stage_a_job():
     # one job a tile and plain stores
     spec = make_spec()
     for copies, used in ((1, 1), (2, 2), (3, 3), (8, 3)):
-        plan = mm._plan(spec, LaunchConfig(16, 32, 64, r_splits=2, acc_copies=copies), 37)
+        plan = mm.plan(spec, LaunchConfig(16, 32, 64, r_splits=2, acc_copies=copies), 37)
         assert (plan["n_splits"], plan["acc_copies"]) == (3, used)
-        assert plan["acc_elems"] == plan["n_tiles"] * used * 16 * mm._slot_width(4)
-    assert mm._plan(spec, LaunchConfig(16, 32, 4096, acc_copies=4), 37)["acc_copies"] == 1
+        assert plan["acc_elems"] == plan["n_tiles"] * used * 16 * mm.slot_width(4)
+    assert mm.plan(spec, LaunchConfig(16, 32, 4096, acc_copies=4), 37)["acc_copies"] == 1

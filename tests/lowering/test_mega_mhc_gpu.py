@@ -9,7 +9,7 @@ import torch
 from lowering import mega_mhc as mm
 from tests.lowering.test_mega_mhc import assert_matches_reference, make_inputs, make_spec
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def test_co_resident_only_where_the_grid_fits(monkeypatch):
@@ -19,8 +19,8 @@ def test_co_resident_only_where_the_grid_fits(monkeypatch):
     spec = make_spec("delayed", "bfloat16", dim=5120)
     mm.forget_kept_launches()  # an earlier test's launch of the same layout would skip the check
     decided = []
-    fits = mm._fits_at_once
-    monkeypatch.setattr(mm, "_fits_at_once", lambda *a: decided.append(fits(*a)) or decided[-1])
+    fits = mm.fits_at_once
+    monkeypatch.setattr(mm, "fits_at_once", lambda *a: decided.append(fits(*a)) or decided[-1])
     for T in (64, 4096):
         args = tuple(a.cuda() for a in make_inputs(spec, T, seed=T))
         assert_matches_reference(spec, args, mm.mega_mhc(*args, spec))
@@ -35,16 +35,16 @@ def test_handoff_launches_equal_the_reference_in_every_job_order(monkeypatch):
     # co-resident build is compiled to decide). At T=64 and T=4096 (768 programs: not all resident)
     # it equals the reference, in program order and with the rescale jobs numbered first.
     spec = make_spec("delayed", "bfloat16", dim=5120)
-    monkeypatch.setattr(mm, "_fits_at_once", lambda *a: pytest.fail("a handoff launch asked for a co-resident build"))
+    monkeypatch.setattr(mm, "fits_at_once", lambda *a: pytest.fail("a handoff launch asked for a co-resident build"))
     for T in (64, 4096):
         cfg = dataclasses.replace(mm.choose_config(spec, T), handoff=True)
-        plan = mm._plan(spec, cfg, T)
+        plan = mm.plan(spec, cfg, T)
         assert plan["handoff"]
         args = tuple(a.cuda() for a in make_inputs(spec, T, seed=T + 5))
         for rotation in (0, plan["n_tiles"] * plan["n_splits"]):
             assert_matches_reference(spec, args, mm.mega_mhc(*args, spec, config=cfg, job_rotation=rotation))
         torch.cuda.synchronize()
-        assert not mm._states[mm._device_key(args[0].device)].sync.any()
+        assert not mm.states[mm.device_key(args[0].device)].sync.any()
 
 
 def test_monotonic_pdl_launches_stay_whole_across_sizes_and_forms():
@@ -61,11 +61,11 @@ def test_monotonic_pdl_launches_stay_whole_across_sizes_and_forms():
         kw = {"fn_pieces": mm.split_fn(args[5], s)} if pieces else {}
         assert_matches_reference(s, args, mm.mega_mhc(*args, s, **kw))
     torch.cuda.synchronize()
-    state = mm._states[mm._device_key(torch.device("cuda"))]
+    state = mm.states[mm.device_key(torch.device("cuda"))]
     assert not state.sync.any()
-    plan = mm._plan(spec, mm.choose_config(spec, 64), 64)
+    plan = mm.plan(spec, mm.choose_config(spec, 64), 64)
     counters = state.tiles[(plan["n_splits"], plan["r_splits"])]
-    assert counters.any() and mm._counters_consistent(counters, plan["n_splits"], plan["r_splits"])
+    assert counters.any() and mm.counters_consistent(counters, plan["n_splits"], plan["r_splits"])
 
 
 def test_repeat_launches_of_a_layout_reuse_the_first_decisions_and_equal_the_reference(monkeypatch):
@@ -76,8 +76,8 @@ def test_repeat_launches_of_a_layout_reuse_the_first_decisions_and_equal_the_ref
     spec = make_spec("delayed", "bfloat16", dim=5120)
     mm.forget_kept_launches()
     decided = []
-    fits = mm._fits_at_once
-    monkeypatch.setattr(mm, "_fits_at_once", lambda *a: decided.append(fits(*a)) or decided[-1])
+    fits = mm.fits_at_once
+    monkeypatch.setattr(mm, "fits_at_once", lambda *a: decided.append(fits(*a)) or decided[-1])
     for T in (1, 64, 512):
         decided.clear()
         for seed in range(5):
@@ -85,4 +85,4 @@ def test_repeat_launches_of_a_layout_reuse_the_first_decisions_and_equal_the_ref
             assert_matches_reference(spec, args, mm.mega_mhc(*args, spec))
         assert len(decided) <= 1
     torch.cuda.synchronize()
-    assert not mm._states[mm._device_key(torch.device("cuda"))].sync.any()
+    assert not mm.states[mm.device_key(torch.device("cuda"))].sync.any()

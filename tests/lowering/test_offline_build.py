@@ -20,6 +20,8 @@ import torch
 from lowering import mega_mhc, occupancy, offline
 from tools import hopper_builds
 
+pytestmark = pytest.mark.offline_build
+
 
 def _check(build: offline.Build):
     assert build.target == "cuda sm_90"
@@ -44,7 +46,7 @@ def test_mega_mhc_builds_for_hopper(form, T):
     _check(build)
     spec = hopper_builds.mhc_spec(form)
     config = mega_mhc.choose_config(spec, T, device="cuda")
-    assert build.grid == (mega_mhc._plan(spec, config, T)["n_jobs"],)
+    assert build.grid == (mega_mhc.plan(spec, config, T)["n_jobs"],)
     assert build.constexprs["TILE_T"] == config.tile_t and build.num_warps == config.num_warps
 
 
@@ -160,8 +162,8 @@ def test_the_tuned_large_T_rescale_is_pipelined_in_the_sweeps_shared_memory():
 def test_stage_a_converts_bf16_in_pairs(form):
     # _round: two fp32 values per cvt.rn.bf16x2.f32, never one at a time (cvt.rn.bf16.f32); _widen:
     # a bf16 pair widened by one shl and one and (no prmt moving the high half down first). On the
-    # stop-11 T=512 row's sm_90 build that is ~790 instructions per stage-A chunk instead of ~905,
-    # and 188 registers instead of 244 (results/bench_mhc_runs/stop11_experiments.json)
+    # T=512 row's sm_90 build that is ~790 instructions per stage-A chunk instead of ~905, and 188
+    # registers instead of 244
     build = hopper_builds.build_mhc(form, 512, config=mega_mhc.LaunchConfig(16, 64, 640, 8, pipeline_stages=3))
     _check(build)
     assert not build.constexprs["CO_RESIDENT"]  # 416 programs do not fit an H200 at once: claimed jobs
@@ -286,7 +288,7 @@ def test_a_pdl_launch_waits_for_its_predecessor_before_touching_memory(monkeypat
     # Where jobs are claimed (T=512) the wait comes first, before the claim; where job = program id
     # (T=1 hand-off, T=64 co-resident) each role that touches memory (stage-A jobs, rescale jobs:
     # two) waits just before its first access, after the set-up from the program id (_begin)
-    monkeypatch.setattr(mega_mhc, "_pdl_options", lambda cfg, device: {"PDL": cfg.pdl})
+    monkeypatch.setattr(mega_mhc, "pdl_options", lambda cfg, device: {"PDL": cfg.pdl})
     build = hopper_builds.build_mhc("delayed", T)
     _check(build)
     ptx = build.ptx
@@ -354,8 +356,7 @@ def test_reads_after_an_acquire_are_plain_loads(form):
     # What another program published (partial sums, the parked collapse, a fresh pre' and X') is
     # read after an acquire (the rescale's and collapse's spin, the last arrival's acq_rel atomic),
     # which orders it: plain loads suffice, where .cg loads became strong GPU-scope loads on sm_90
-    # and measured slower on the H200 (T=64 9.75 against 9.60 us,
-    # results/bench_mhc_runs/stop14_experiments.json). The stop-13 T=64 delayed build had 148.
+    # and are slower on the H200 (T=64 9.75 against 9.60 us).
     build = hopper_builds.build_mhc(form, 64)
     _check(build)
     assert re.search(r"ld\.global\.cg", build.ptx) is None

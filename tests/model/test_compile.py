@@ -4,9 +4,12 @@ Each compile of `tiny` takes about 1.5 minutes on 2 CPU cores, so this file comp
 without quantisation (the 1e-4 fp32 bound) and once with the reference fake quantisation.
 """
 
+import pytest
 import torch
 
 from model import build_model, preset
+
+pytestmark = pytest.mark.slow  # whole models compiled
 
 
 def _compiled_vs_eager(cfg, seed):

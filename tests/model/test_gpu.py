@@ -10,7 +10,7 @@ import torch
 
 from model import build_model, preset
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _ids(cfg, batch, length, seed=0):

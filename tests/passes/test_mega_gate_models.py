@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import passes
-from model import build_model, preset
 from tests.passes.post_grad import fuse
 from tests.passes.tiny import compile_tiny
+
+pytestmark = pytest.mark.slow  # whole models compiled
 
 
 def test_tiny_one_gate_per_moe_layer_and_logits_equal_eager(tmp_path):
@@ -24,26 +25,13 @@ def test_tiny_one_gate_per_moe_layer_and_logits_equal_eager(tmp_path):
     assert (logits - model(ids)).abs().max().item() <= 1e-4
 
 
-def test_tiny_cast_to_bf16_fuses_every_gate_under_all_passes_and_equals_eager():
-    # .to(bfloat16) makes the gate weight and bias bf16 while route() scores in fp32: the kernel
-    # reads the bf16 tensors (no run-time dtype error) and the model's output stays eager's
-    cfg = preset("tiny").replace(quant="none")
-    model = build_model(cfg, seed=0).to(torch.bfloat16)
-    ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    fused = fuse(model, "all", fullgraph=True)
-    with torch.no_grad():
-        logits, ref = fused(ids), model(ids)
-    assert fused.report.counts()["mega_gate"] == cfg.n_layers
-    assert fused.report.rejections("mega_gate") == []
-    spec = fused.report.matches("mega_gate")[0].spec
-    assert (spec["input_dtype"], spec["weight_dtype"], spec["bias_dtype"]) == ("bfloat16",) * 3
-    assert ((logits.float() - ref.float()).norm() / ref.float().norm()).item() <= 1e-2
-
-
 hf = pytest.importorskip("transformers")
 
 
-def _hf_model():
+def _hf_model(sharp_routers: bool = False):
+    """HF's DeepseekV4ForCausalLM at a tiny random config. `sharp_routers`: router weights as sharp
+    as trained ones, so that bf16 scores rarely tie (torch.topk leaves the order of ties open, the
+    kernel takes the lower index: a tie broken the other way changes that token's experts)."""
     cfg = hf.DeepseekV4Config(
         vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
         head_dim=32, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, hc_mult=4, o_groups=1,
@@ -54,6 +42,10 @@ def _hf_model():
     for layer in model.model.layers:  # a random bias, so that selection really depends on it
         if hasattr(layer.mlp.gate, "e_score_correction_bias"):
             layer.mlp.gate.e_score_correction_bias.normal_(std=0.05)
+    if sharp_routers:
+        g = torch.Generator().manual_seed(1)
+        for router in _moe_routers(model):
+            router.weight.data.normal_(std=0.2, generator=g)
     return model
 
 
@@ -79,11 +71,7 @@ def _moe_routers(model):
 
 
 def test_hf_deepseek_v4_in_bf16_fuses_every_moe_gate_and_equals_the_unfused_graph():
-    model = _hf_model()
-    g = torch.Generator().manual_seed(1)
-    for router in _moe_routers(model):  # sharper than the init, as trained routers are: bf16 ties are rare
-        router.weight.data.normal_(std=0.2, generator=g)
-    model = model.to(torch.bfloat16)  # W, the bias buffer and the activations: the router scores in bf16
+    model = _hf_model(sharp_routers=True).to(torch.bfloat16)  # W, the bias and the activations: bf16 scores
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
     choices = []
     hooks = [r.register_forward_hook(lambda router, args, out: choices.append(

@@ -90,13 +90,23 @@ def test_every_seam_form_matches_and_equals_the_chain(tmp_path, form, dtype, sof
         assert _rel(got, want) <= tol
 
 
-@pytest.mark.parametrize("form", ["delayed", "fresh"])
+def _hf_order_seam():
+    """A bf16 seam whose projection reads x * r (HF's order), at T = 1."""
+    from tests.passes.mhc_spellings import Spelling, SpelledSeam
+    module = SpelledSeam(Spelling(T=1, stream_dtype="bfloat16", r_at="before"), dim=D)
+    return module, module.inputs()
+
+
+@pytest.mark.parametrize("form", ["delayed", "fresh", "hf_order"])
 def test_a_seam_whose_projection_inductor_padded_fuses_whole(form):
     # On GPUs Inductor zero-pads an unaligned GEMM (pad_mm): at T = 1 the fn projection reads
     # constant_pad_nd(x) and its output is sliced back (tests/passes/cuda_forms.py does it here).
-    # The pass puts the GEMM back unpadded and the seam fuses whole; the padding and the slices go.
-    module = Seam(form, torch.bfloat16)
-    args = _inputs(1, torch.bfloat16, seed=3)
+    # The pass puts the GEMM back unpadded, erases the padded one (its padding would read the
+    # stream outside the seam) and the seam fuses whole; the padding and the slices go.
+    if form == "hf_order":
+        module, args = _hf_order_seam()
+    else:
+        module, args = Seam(form, torch.bfloat16), _inputs(1, torch.bfloat16, seed=3)
     with torch.no_grad(), inductor_config.patch(CUDA_FORMS):
         fused = fuse(module, ["mega_mhc"], fullgraph=True)
         out = fused(*args)
@@ -233,6 +243,7 @@ def test_a_seam_whose_y_is_narrower_than_its_streams(y_dtype):
         assert _rel(got, want) <= 1e-5
 
 
+@pytest.mark.slow  # a whole model
 def test_tiny_every_site_and_the_final_collapse(tmp_path):
     cfg, model, ids, fused, logits = compile_tiny(["mega_mhc"], 12, dump_dir=tmp_path)
     # Two sites per layer (attention, FFN), each one seam, plus the final collapse before the norm.
@@ -253,6 +264,7 @@ def test_tiny_every_site_and_the_final_collapse(tmp_path):
     assert (logits - unfused).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow  # a whole model
 def test_tiny_with_cudas_online_softmax_every_site_still_fuses(tmp_path):
     # On CUDA, Inductor rewrites each Sinkhorn's softmax into prims.prepare_softmax_online before
     # the passes run; on the H200 that once left 24 of tiny's 25 seams unfused.
@@ -264,27 +276,34 @@ def test_tiny_with_cudas_online_softmax_every_site_still_fuses(tmp_path):
     assert (logits - model(ids)).abs().max().item() <= 1e-4
 
 
-def test_tiny_cast_to_bf16_fuses_every_seam_and_equals_the_eager_model():
-    # model.to(torch.bfloat16): bf16 streams, and bf16 fn, base, scale and norm weights, which the
-    # rewrite widens (exact); the seams are the fp32 model's, whole. Run from the post-grad graph
-    # (tests/passes/post_grad.py), so the only difference from eager is the fused kernel.
+@pytest.mark.slow  # a whole model
+def test_tiny_cast_to_bf16_fuses_every_seam_and_gate_and_equals_the_eager_model():
+    # model.to(torch.bfloat16), all passes: bf16 streams, and bf16 fn, base, scale and norm weights,
+    # which the rewrite widens (exact); the seams are the fp32 model's, whole. The gate weight and
+    # bias are bf16 while route() scores in fp32: the kernel reads the bf16 tensors (no run-time
+    # dtype error). Run from the post-grad graph (tests/passes/post_grad.py), so the only
+    # difference from eager is the fused kernels.
     cfg = preset("tiny").replace(quant="none")
     model = build_model(cfg, seed=0).to(torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        fused = fuse(model, ["mega_mhc"], fullgraph=True)
+        fused = fuse(model, "all", fullgraph=True)
         logits, want = fused(ids), model(ids)
+    assert fused.report.counts() == {"mega_mhc": 2 * cfg.n_layers + 1, "mega_gate": cfg.n_layers}, \
+        [(r.anchor, r.reason) for name in ("mega_mhc", "mega_gate") for r in fused.report.rejections(name)]
     specs = [m.spec for m in fused.report.matches("mega_mhc")]
-    assert len(specs) == 2 * cfg.n_layers + 1, fused.report.rejections("mega_mhc")
     assert all(s["stream_dtype"] == "bfloat16" for s in specs)
     assert sum(s["has_coefficients"] for s in specs) == 2 * cfg.n_layers
     assert sum(not s["has_post"] for s in specs) == 1 + len(cfg.engram_layers)  # first seam, Engram seams
+    gate = fused.report.matches("mega_gate")[0].spec
+    assert (gate["input_dtype"], gate["weight_dtype"], gate["bias_dtype"]) == ("bfloat16",) * 3
     assert _rel(logits, want) <= 1e-2
 
 
 hf = pytest.importorskip("transformers")
 
 
+@pytest.mark.slow  # a whole model
 def test_hf_deepseek_v4_fires_at_every_hyper_connection_site():
     from tests.passes.test_mega_gate_models import _hf_model
 
@@ -302,6 +321,7 @@ def test_hf_deepseek_v4_fires_at_every_hyper_connection_site():
     assert (logits - unfused).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow  # a whole model
 def test_hf_deepseek_v4_cast_to_bf16_fuses_every_site_and_says_why_its_posts_stay_unfused():
     # HF's bf16 post rounds post and comb to bf16 and mixes in bf16: another function than the
     # reference's fp32 post, so each seam fuses without it (coefficients + fresh collapse + norm)
