@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/megafuse run --config tiny --passes all
 
-# test: the suite CI runs (~@@ min on 2 CPU cores); test-fast: without the `slow` tests (whole-model
+# test: the suite CI runs (~30 min on 2 CPU cores); test-fast: without the `slow` tests (whole-model
 # compiles), for iteration; test-all: with the `exhaustive` ones too (hundreds of generated cases)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not exhaustive" --durations=15
