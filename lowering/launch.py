@@ -14,6 +14,7 @@ key is new takes the whole path, so nothing a first call would refuse is launche
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -59,13 +60,11 @@ class PreparedLaunch:
 
     def __call__(self, *args) -> None:
         index = self.device.index
-        if torch.cuda.current_device() == index:
-            # the raw stream handle, as Inductor's wrappers fetch it (torch.cuda.current_stream
-            # builds a Stream object: several microseconds)
+        # the build's module is loaded in its device's context; the raw stream handle, as Inductor's
+        # wrappers fetch it (torch.cuda.current_stream builds a Stream object: several microseconds)
+        on_device = contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index)
+        with on_device:
             self.runner(*args, *self.constexprs, stream=torch._C._cuda_getCurrentRawStream(index))
-        else:
-            with torch.cuda.device(self.device):  # the build's module is loaded in that device's context
-                self.runner(*args, *self.constexprs, stream=torch._C._cuda_getCurrentRawStream(index))
 
 
 class PreparedLaunches:

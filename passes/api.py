@@ -88,10 +88,10 @@ class _InductorWithReports(torch._TorchCompileInductorWrapper):
         stored = _report_dir() / f"{self._key(graph, example_inputs)}.json"
         if len(report.graphs) > before:  # the passes ran
             stored.parent.mkdir(parents=True, exist_ok=True)
-            stored.write_text(json.dumps([g.to_json() for g in report.graphs[before:]]))
+            stored.write_text(json.dumps([g.to_dict() for g in report.graphs[before:]]))
         elif stored.exists():
-            for text in json.loads(stored.read_text()):
-                graph_report = GraphReport.from_json(text)
+            for data in json.loads(stored.read_text()):
+                graph_report = GraphReport.from_dict(data)
                 graph_report.cached = True
                 report.graphs.append(graph_report)
         else:

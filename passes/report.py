@@ -7,7 +7,6 @@ the tools print. Tests assert exact counts from it ("one gate per MoE layer").
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -61,12 +60,11 @@ class GraphReport:
     passes: list[PassReport] = field(default_factory=list)
     cached: bool = False  # served from Inductor's caches: the passes ran when it was first compiled
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
+    def to_dict(self) -> dict:
+        return asdict(self)
 
     @classmethod
-    def from_json(cls, text: str) -> "GraphReport":
-        data = json.loads(text)
+    def from_dict(cls, data: dict) -> "GraphReport":
         passes = [PassReport(p["name"], [Match(**m) for m in p["matches"]], [Rejection(**r) for r in p["rejections"]],
                              p["time_s"], p["decisions"]) for p in data["passes"]]
         return cls(passes, cached=data["cached"])
