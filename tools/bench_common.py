@@ -11,6 +11,9 @@ import traceback
 
 import torch
 
+# H200 HBM3e bandwidth, the roofline's denominator (GPU.md)
+HBM_BYTES_PER_S = 4.3e12
+
 
 def require_cuda(parser, dry_run: bool) -> None:
     """A usage error (exit 2) when a GPU run is asked for where there is no CUDA device."""

@@ -16,7 +16,8 @@ compiled three ways in one run: `passes.compile` (the megafuse passes), plain `t
    without graphs (`eager_call_us`: 200 calls, synchronised once, per call: the host's cost where
    it exceeds the GPU's), the number a program that does not capture graphs sees;
 3. the fused op alone (the lowering's launcher, as the compiled graph calls it): graph replay and
-   back-to-back calls, whose difference is the host cost of one launch outside CUDA graphs.
+   back-to-back calls, whose difference is the host cost of one launch outside CUDA graphs;
+4. the memory floor: the chain's compulsory HBM bytes (the kernel benchmarks' formulas) / 4.3 TB/s.
 
 Chains (the spellings of issue-style user code, not the project's model):
   mhc   bf16 streams X [T, 4, 5120], y [T, 5120]; fp32 fn, base, scale, norm weight; the post
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import passes
-from tools.bench_common import Stages, default_out, require_cuda, time_graph_us
+from tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, require_cuda, time_graph_us
 
 TOKENS = (1, 64, 512, 4096)
 HC, DIM, EXPERTS, TOP_K, SINKHORN_ITERS = 4, 5120, 384, 6, 20
@@ -116,6 +117,17 @@ def chain(op: str, dry_run: bool) -> nn.Module:
 
 
 CHAINS = {"mhc": "mega_mhc", "gate": "mega_gate"}  # op -> its pass
+
+
+def floor_us(op: str, T: int) -> float:
+    """The chain's memory floor at V4.1 widths: its compulsory HBM bytes / HBM bandwidth."""
+    if op == "mhc":
+        from tools.bench_mhc import V41, seam_bytes
+        nbytes = seam_bytes(T, V41)
+    else:
+        from tools.bench_gate import V4, gate_bytes
+        nbytes = gate_bytes(V4, T)
+    return nbytes / HBM_BYTES_PER_S * 1e6
 
 
 def eager_call_us(fn, calls: int = EAGER_CALLS) -> float:
@@ -197,10 +209,13 @@ def bench_chain(op: str, T: int, log, dry_run: bool = False) -> dict:
         if whole:
             r["op_graph_us"], r["op_eager_call_us"] = _fused_op_call(fused, op, args)
             r["op_launch_overhead_us"] = r["op_eager_call_us"] - r["op_graph_us"]
+    r["floor_us"] = floor_us(op, T)
+    r["fused_over_floor"] = r["fused_graph_us"] / r["floor_us"]
     r["speedup_vs_compile_graph"] = r["compile_graph_us"] / r["fused_graph_us"]
     r["speedup_vs_compile_eager_call"] = r["compile_eager_call_us"] / r["fused_eager_call_us"]
     log(f"{op} T={T}: whole {r['fused_whole']} {r['counts']}  graph fused {r['fused_graph_us']:.2f} / compile "
-        f"{r['compile_graph_us']:.2f} / eager {r['eager_graph_us']:.2f} us ({r['speedup_vs_compile_graph']:.2f}x); "
+        f"{r['compile_graph_us']:.2f} / eager {r['eager_graph_us']:.2f} us ({r['speedup_vs_compile_graph']:.2f}x, "
+        f"floor {r['floor_us']:.2f}); "
         f"no graphs fused {r['fused_eager_call_us']:.2f} / compile {r['compile_eager_call_us']:.2f} us; "
         f"op launch overhead {r.get('op_launch_overhead_us', float('nan')):.2f} us; errors {r['errors']}")
     return r
@@ -244,11 +259,11 @@ def main(argv=None) -> int:
         for T in tokens:
             stages.run(f"{op}_T{T}", lambda op=op, T=T: bench_chain(op, T, log, args.dry_run))
     rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "fused_graph_us" in v]
-    print(f"{'chain':10s} {'whole':5s} {'fused':>8s} {'compile':>8s} {'x':>6s} {'no-graph fused':>14s} "
+    print(f"{'chain':10s} {'whole':5s} {'fused':>8s} {'compile':>8s} {'x':>6s} {'floor':>7s} {'no-graph fused':>14s} "
           f"{'no-graph compile':>16s} {'op overhead':>11s}")
     for name, r in rows:
         print(f"{name:10s} {str(r['fused_whole']):5s} {r['fused_graph_us']:8.2f} {r['compile_graph_us']:8.2f} "
-              f"{r['speedup_vs_compile_graph']:6.2f} {r['fused_eager_call_us']:14.2f} {r['compile_eager_call_us']:16.2f} "
+              f"{r['speedup_vs_compile_graph']:6.2f} {r['floor_us']:7.2f} {r['fused_eager_call_us']:14.2f} {r['compile_eager_call_us']:16.2f} "
               f"{r.get('op_launch_overhead_us', float('nan')):11.2f}")
     json.dump(results, open(out, "w"), indent=1, default=str)
     chains = [v for v in results.values() if isinstance(v, dict) and "fused_whole" in v]

@@ -35,12 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tools.bench_common import Stages, default_out, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
+from tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
 from lowering import mega_gate as mg
 from lowering.mega_gate import GateSpec, LaunchConfig
 from model.moe import route, score
 
-HBM_BYTES_PER_S = 4.3e12
 LAUNCH_FLOOR_US = 4.0
 TIE_TOL = 2e-5  # |choice| is O(1); 3xTF32 vs cuBLAS fp32 logits differ by ~1e-6
 V4 = GateSpec(n_experts=384, hidden=5120, k=6, score_func="sqrtsoftplus", has_bias=True, renorm=True,

@@ -50,13 +50,12 @@ import time
 import torch
 import triton
 
-from tools.bench_common import Stages, default_out, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
+from tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
 from tools.common import median
 from lowering import mega_mhc as mm
 from lowering.mega_mhc import LaunchConfig, MhcSpec
 from model.mhc import sinkhorn
 
-HBM_BYTES_PER_S = 4.3e12
 LAUNCH_FLOOR_US = 4.0
 TOKENS = (1, 64, 512, 4096)
 V41 = MhcSpec(n=4, dim=5120, sinkhorn_iters=20, hc_eps=1e-6, stat_eps=1e-20, norm_eps=1e-20,

@@ -80,7 +80,7 @@ import torch
 from rich.syntax import Syntax
 from rich.table import Table
 
-from . import common, hopper_builds
+from . import bench_common, common, hopper_builds
 from .common import ToolError, display_path, step
 from .output import console, environment, tables_to_stderr, write_json
 
@@ -94,7 +94,7 @@ EXAMPLES = """examples:
 
 # HBM bandwidth used for the memory floor (bytes / bandwidth), by device-name substring. H200: the
 # figure the project's benchmarks use (ARCHITECTURE.md); other devices: no floor rather than a guess.
-HBM_BYTES_PER_S = {"H200": 4.3e12}
+HBM_BYTES_PER_S = {"H200": bench_common.HBM_BYTES_PER_S}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
