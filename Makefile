@@ -22,12 +22,13 @@ run: $(STAMP)
 	$(VENV)/bin/megafuse run --config tiny --passes all
 
 # test: the suite CI runs (~30 min on 2 CPU cores); test-fast: without the `slow` tests (whole-model
-# compiles), for iteration; test-all: with the `exhaustive` ones too (hundreds of generated cases)
+# compiles, every parametrisation past a representative: tests/marks.py), on two workers, for
+# iteration; test-all: with the `exhaustive` ones too (hundreds of generated cases)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not exhaustive" --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not exhaustive" --durations=15
+	$(PY) -m pytest -q -n 2 -m "not slow and not exhaustive" --durations=15
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q --durations=15

@@ -30,6 +30,7 @@ DEFAULT_DIR = Path("~/.cache/megafuse/kernels")
 
 _override: Path | None = None
 _loaded: dict[tuple[str, bool], object] = {}
+_generated: dict[tuple[str, bool, str, str], object] = {}
 _lock = threading.Lock()
 
 
@@ -85,6 +86,19 @@ def load_kernel(path: str | os.PathLike, attr: str, interpret: bool):
             module = _import(path, interpret)
             _loaded[key] = module
     return getattr(module, attr)
+
+
+def load_generated(name: str, generate, attr: str, interpret: bool):
+    """The kernel `attr` of the generated module `name` for one mode: `generate()` gives the source,
+    written to `<cache>/<name>.py` the first time this process loads `name` from that directory.
+    Every lowering loads its kernels through here; `name` must be content-addressed (a hash of the
+    source). Memoised per (name, attr, mode, cache directory): launches that are not kept ones call it."""
+    memo = (name, interpret, attr, str(cache_dir()))
+    kernel = _generated.get(memo)
+    if kernel is None:
+        kernel = load_kernel(write_source(name, generate()), attr, interpret)
+        _generated[memo] = kernel
+    return kernel
 
 
 def _import(path: Path, interpret: bool):

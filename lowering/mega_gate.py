@@ -713,17 +713,9 @@ def sync_state_is_clear(device: torch.device | str = "cuda") -> bool:
 # Launch and reference
 # ----------------------------------------------------------------------------------------------
 
-_kernels: dict[tuple[str, bool, str], object] = {}
-
-
 def load(spec: GateSpec, interpret: bool):
     """The jitted kernel of `spec` for one mode (writes the source to the cache on first use)."""
-    memo = (spec.key(), interpret, str(kernel_cache.cache_dir()))
-    kernel = _kernels.get(memo)
-    if kernel is None:
-        kernel = kernel_cache.load_kernel(source_path(spec), KERNEL_NAME, interpret)
-        _kernels[memo] = kernel
-    return kernel
+    return kernel_cache.load_generated(kernel_name(spec), lambda: generate_source(spec), KERNEL_NAME, interpret)
 
 
 def validate(u, weight, bias, spec: GateSpec) -> None:

@@ -90,9 +90,8 @@ def _recording(module):
     a recorder of the compiler-mode kernel (the interpreter's is not a JITFunction)."""
     load, recorders = module.load, []
 
-    def recording_load(spec, *args, **kwargs):
-        kwargs["interpret"] = False  # (a kernel name, where a module has several, passes through)
-        recorders.append(_Recorder(load(spec, **kwargs)))
+    def recording_load(spec, *_, **__):
+        recorders.append(_Recorder(load(spec, interpret=False)))
         return recorders[-1]
 
     module.load = recording_load
@@ -214,6 +213,6 @@ def build_launch(module, launch, *args, target: GPUTarget = HOPPER, **kwargs) ->
 
 def build_kernel(module, launch, *args, target: GPUTarget = HOPPER, **kwargs) -> Build:
     """The build of the module's own kernel (`module.KERNEL_NAME`) among those `build_launch`
-    compiles: a launcher may run a helper kernel first (Mega-mHC's fn split)."""
+    compiles."""
     builds = build_launch(module, launch, *args, target=target, **kwargs)
     return next(b for b in builds if b.name == module.KERNEL_NAME)

@@ -8,10 +8,11 @@ decision has a sentence a user can read (`CompileReport.why(node)`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar, Iterable
+from typing import Any, ClassVar, Iterable
 
 import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
@@ -30,14 +31,21 @@ class NoMatch(Exception):
 
 @dataclass
 class Candidate:
-    """A matched chain: the nodes it covers, the outputs to replace, and the spec it binds."""
+    """A matched chain: the nodes it covers, the outputs to replace, and the spec it binds: the
+    lowering's own frozen dataclass (GateSpec, MhcSpec), from the match to the launch; the op's
+    arguments are made from it in one place per op (passes/ops.py)."""
 
     anchor: fx.Node
     nodes: list[fx.Node]
-    spec: dict
+    spec: Any
     inputs: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
     insert_before: fx.Node | None = None  # where the fused op goes (default: the anchor)
+    left_unfused: list[str] = field(default_factory=list)  # parts of the chain that stay unfused, and why
+
+    def described(self) -> dict:
+        """The spec as the report keeps it (JSON): its fields, and `left_unfused` where there are any."""
+        return dataclasses.asdict(self.spec) | ({"left_unfused": self.left_unfused} if self.left_unfused else {})
 
 
 class FusionPass:
@@ -97,7 +105,7 @@ class FusionPass:
             sources = list(dict.fromkeys(s for s in map(source_location, candidate.nodes) if s))
             new = self.rewrite(graph, candidate)
             report.decisions[anchor.name] = f"matched -> {new.name}"
-            report.matches.append(Match(self.op, new.name, candidate.spec, replaced, sources))
+            report.matches.append(Match(self.op, new.name, candidate.described(), replaced, sources))
         if report.matches:
             stable_topological_sort(graph)  # a fused op may sit after a reader Inductor hoisted
         graph.eliminate_dead_code()

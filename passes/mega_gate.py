@@ -50,14 +50,11 @@ at all (hash routing's table lookup has no top-k to anchor on).
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-
-from lowering import mega_gate as gate_kernels
 
 from . import ops
 from .base import Candidate, FusionPass, NoMatch
@@ -588,18 +585,18 @@ class MegaGatePass(FusionPass):
         spec = ops.gate_spec(u.fake(), weight.fake(), bias.fake() if bias else None, scoring.func, int(k),
                              renorm is not None, eps, scale, self.options["precision"],
                              *map(_dtype_name, (logits_dtype, score_dtype, choice_dtype)))
-        return Candidate(topk, nodes, dataclasses.asdict(spec),
+        return Candidate(topk, nodes, spec,
                          inputs={"u": u, "weight": weight, "bias": bias}, outputs={"weights": final, "ids": ids})
 
     def check(self, candidate: Candidate) -> str | None:
         """The generator's support and the launcher's own input checks, on the match's fake tensors."""
         inputs = candidate.inputs
         bias = inputs["bias"].fake() if inputs["bias"] else None
-        scalars = ops.gate_scalars(gate_kernels.GateSpec(**candidate.spec))
+        scalars = ops.gate_scalars(candidate.spec)
         return ops.gate_unsupported(inputs["u"].fake(), inputs["weight"].fake(), bias, *scalars)
 
     def rewrite(self, graph: fx.Graph, candidate: Candidate) -> fx.Node:
-        spec, inputs, outputs = gate_kernels.GateSpec(**candidate.spec), candidate.inputs, candidate.outputs
+        spec, inputs, outputs = candidate.spec, candidate.inputs, candidate.outputs
         weights_val = val(outputs["weights"])
         with graph.inserting_before(candidate.anchor):
             u, weight = inputs["u"].materialise(graph), inputs["weight"].materialise(graph, spec.n_experts)

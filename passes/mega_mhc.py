@@ -74,7 +74,7 @@ from .graph import aten, dtype, frozen_value, is_convert, is_op, new_constant, o
 from .mhc_axes import GEMMS, LAYOUT, widens
 from .mhc_match import (F32, collapse_cores, gemm_weight, head_readers, match_collapse, match_head, match_post,
                         unpad_projections)
-from .ops import mhc_fake, mhc_unsupported
+from .ops import mhc_fake, mhc_scalars, mhc_unsupported
 from .registry import register
 
 # Ops that read parts of a tensor (base's three parts, scale[i]): like LAYOUT, they compute nothing.
@@ -91,16 +91,11 @@ def _fake_f32(node: fx.Node) -> torch.Tensor:
 
 # ---- the pass --------------------------------------------------------------------------------
 
-def _kernel_spec(candidate: Candidate) -> mhc_kernels.MhcSpec:
-    return mhc_kernels.MhcSpec(**{k: v for k, v in candidate.spec.items() if k != "left_unfused"})
-
-
 def _op_args(candidate: Candidate, inputs: dict | None = None) -> tuple:
     """megafuse::mega_mhc's arguments for a candidate (graph nodes, or `inputs`, and the spec's scalars)."""
-    s, i = candidate.spec, inputs or candidate.inputs
+    i = inputs or candidate.inputs
     return (i["streams"], i["y"], i["post"], i["comb"], i["carried_pre"], i["fn"], i["base"], i["scale"],
-            i["norm_weight"], s["sinkhorn_iters"], s["hc_eps"], s["stat_eps"], s["norm_eps"], s["has_post"],
-            s["has_coefficients"], s["pre"], i.get("fn_pieces"))
+            i["norm_weight"], *mhc_scalars(candidate.spec), i.get("fn_pieces"))
 
 
 def _widened(node: fx.Node | None) -> bool:
@@ -216,13 +211,10 @@ class MegaMhcPass(FusionPass):
             if node not in roundings and not reads and isinstance(val(node), torch.Tensor) and dtype(node) != F32:
                 raise NoMatch(f"{prefix}{node.name} computes in {str(dtype(node)).removeprefix('torch.')}: the "
                               f"reference computes the seam in fp32 and rounds only X', the collapse and u")
-        spec = {
-            "n": int(n), "dim": int(dim),
-            "sinkhorn_iters": head.iters if head else 0, "hc_eps": head.hc_eps if head else 0.0,
-            "stat_eps": head.stat_eps if head else 0.0, "norm_eps": collapse.norm_eps,
-            "has_post": post is not None, "has_coefficients": head is not None, "pre": pre_mode,
-            "stream_dtype": str(dtype(stream)).removeprefix("torch."),
-        }
+        spec = mhc_kernels.MhcSpec(
+            n=int(n), dim=int(dim), sinkhorn_iters=head.iters if head else 0, hc_eps=head.hc_eps if head else 0.0,
+            stat_eps=head.stat_eps if head else 0.0, norm_eps=collapse.norm_eps, has_post=post is not None,
+            has_coefficients=head is not None, pre=pre_mode, stream_dtype=str(dtype(stream)).removeprefix("torch."))
         inputs = {
             "streams": post.streams if post is not None else stream, "y": post.y if post else None,
             "post": post.post if post else None, "comb": post.comb if post else None,
@@ -251,18 +243,18 @@ class MegaMhcPass(FusionPass):
         cyclic = [name for name, a in inputs.items() if isinstance(a, fx.Node) and a in downstream]
         if cyclic:
             raise NoMatch(f"{prefix}the seam's inputs {cyclic} are computed from the seam itself")
-        return Candidate(anchor, chain, spec | ({"left_unfused": notes} if notes else {}),
-                         inputs=inputs, outputs=outputs, insert_before=graph_nodes[last_input + 1])
+        return Candidate(anchor, chain, spec, inputs=inputs, outputs=outputs,
+                         insert_before=graph_nodes[last_input + 1], left_unfused=notes)
 
     def check(self, candidate: Candidate) -> str | None:
-        reason = mhc_kernels.unsupported_reason(_kernel_spec(candidate))
+        reason = mhc_kernels.unsupported_reason(candidate.spec)
         if reason is None:
             # The launch's own input checks, on the fake tensors as the rewrite passes them (with
             # bf16 / fp16 parameters widened). E.g. an fp32 stream with an fp64 y stays unfused.
             fakes = {k: (_fake_f32(a) if _widened(a) and k in FP32_INPUTS else val(a)) if isinstance(a, fx.Node)
                      else a for k, a in candidate.inputs.items()}
             reason = mhc_unsupported(*_op_args(candidate, fakes))
-        if reason is not None and candidate.spec["has_coefficients"]:
+        if reason is not None and candidate.spec.has_coefficients:
             self._unfused_heads[candidate.anchor] = reason
         return reason
 
@@ -270,7 +262,7 @@ class MegaMhcPass(FusionPass):
         outs = candidate.outputs
         inputs = candidate.inputs
         fn = frozen_value(inputs["fn"])
-        spec = _kernel_spec(candidate)
+        spec = candidate.spec
         with graph.inserting_before(candidate.insert_before):
             for name in FP32_INPUTS:
                 if _widened(inputs[name]):  # a bf16 / fp16 parameter: exact in fp32, which the kernel reads
@@ -279,7 +271,7 @@ class MegaMhcPass(FusionPass):
                     inputs[name] = wide
         if fn is not None and mhc_kernels.projects_bf16_pieces(spec):
             # a frozen fn does not change: its bf16 pieces are made here, once, so that the kernel
-            # loads them instead of splitting fn in every token tile (LaunchConfig.presplit_fn)
+            # loads them instead of splitting fn in every token tile (lowering.mega_mhc's PRESPLIT)
             inputs["fn_pieces"] = new_constant(graph, inputs["fn"], "fn_pieces",
                                                mhc_kernels.split_fn(fn.float(), spec))
         args = _op_args(candidate)

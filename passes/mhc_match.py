@@ -168,7 +168,7 @@ def _sinkhorn(start: fx.Node) -> tuple[fx.Node, float, int, list[fx.Node]]:
         axis, step_eps, step_nodes = step
         expect = "column" if len(axes) % 2 == 0 else "row"
         if axis != expect:
-            raise NoMatch(f"Sinkhorn does not start on a column normalisation" if not axes else
+            raise NoMatch("Sinkhorn does not start on a column normalisation" if not axes else
                           f"Sinkhorn normalisation {len(axes) + 1} is over {axis}s, not {expect}s")
         if step_eps != eps:
             raise NoMatch(f"Sinkhorn normalisation {len(axes) + 1} adds eps {step_eps!r}, not {eps!r}")
@@ -620,7 +620,7 @@ def match_collapse(stream: fx.Node, whose: str) -> Collapse:
     """The hc_pre + RMSNorm reading `stream` (`whose` stream: for the reason), or NoMatch saying
     what is missing."""
     shape = tuple(val(stream).shape)
-    lead, n, D = shape[:-2], shape[-2], shape[-1]
+    lead, n = shape[:-2], shape[-2]
     r = len(shape)
     want = lambda node: node is stream or tuple(val(node).shape) == lead + (n,)  # noqa: E731
     reasons = []

@@ -125,7 +125,18 @@ _bind(torch.ops.megafuse.mega_gate.default, torch.ops.megafuse.mega_gate_kernel.
 # normalised sublayer input u, and the next site's pre / post / comb. Outputs a form does not
 # produce (X' without a post, coefficients without a head) are empty tensors that nothing reads.
 
+# megafuse::mega_mhc's scalar arguments (after the nine tensors), named as MhcSpec's fields
+MHC_SCALARS = ("sinkhorn_iters", "hc_eps", "stat_eps", "norm_eps", "has_post", "has_coefficients", "pre")
+
+
+def mhc_scalars(spec: "mhc_kernels.MhcSpec") -> tuple:
+    """The op arguments after the nine tensors that bind `spec` (the inverse of mhc_spec)."""
+    return tuple(getattr(spec, name) for name in MHC_SCALARS)
+
+
 def mhc_spec(streams, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode):
+    """The MhcSpec of an op call: n, D and the stream dtype from the streams, the rest from the
+    scalars (MHC_SCALARS order)."""
     return _mhc_spec(streams.shape[-2], streams.shape[-1], streams.dtype, sinkhorn_iters, hc_eps, stat_eps, norm_eps,
                      has_post, has_coefficients, pre_mode)
 

@@ -28,7 +28,7 @@ def source_location(node) -> str | None:
 class Match:
     op: str  # the canonical op the chain became, e.g. "megafuse::mega_gate"
     node: str  # the new node
-    spec: dict  # the FusionSpec the kernel is generated for
+    spec: dict  # the spec the kernel is generated for (Candidate.described)
     replaced: list[str]  # FX node names of the chain
     sources: list[str]  # file:line of the replaced nodes, deduplicated, in graph order
 

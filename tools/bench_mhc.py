@@ -158,11 +158,12 @@ def correctness_suite(device, dry: bool, log) -> list:
     runs += [("delayed/sub-tiles", delayed, 37 if dry else 2100, None, sub),
              ("v4_fresh/sub-tiles", dataclasses.replace(delayed, pre="fresh"), 21 if dry else 1100, None, sub),
              ("first_or_engram/sub-tiles", first, 37 if dry else 1040, None, sub)]
-    # fn split once per launch: the tiled and the epilogue-job split variants, delayed and fresh
-    runs += [("delayed/presplit-fn", delayed, 37 if dry else 600, None,
-              LaunchConfig(16, 32, 4096 if dry else 5120, pipeline_stages=3, presplit_fn=True)),
-             ("v4_fresh/presplit-fn", dataclasses.replace(delayed, pre="fresh"), 37 if dry else 300, None,
-              LaunchConfig(16, 32, 64 if dry else 512, r_splits=2 if dry else 8, presplit_fn=True))]
+    # fn's bf16 pieces given (split_fn once): the tiled and the epilogue-job split variants, delayed
+    # and fresh
+    runs += [("delayed/tiled/given-fn-pieces", delayed, 37 if dry else 600, None,
+              LaunchConfig(16, 32, 4096 if dry else 5120, pipeline_stages=3)),
+             ("v4_fresh/given-fn-pieces", dataclasses.replace(delayed, pre="fresh"), 37 if dry else 300, None,
+              LaunchConfig(16, 32, 64 if dry else 512, r_splits=2 if dry else 8))]
     # partial sums spread over accumulator copies (the tuned rows at T <= 128), the fresh collapse's
     # sum(c^2) in them too
     runs += [("v4_fresh/acc-copies", dataclasses.replace(delayed, pre="fresh"), 37 if dry else 64, None,
@@ -266,11 +267,9 @@ def sweep_configs(T: int) -> list[LaunchConfig]:
         # three on 56 SMs); 10 rescale jobs a tile are one 512-column block each
         return [C(16, 64, 640, 10, pipeline_stages=3), C(16, 64, 640, 4, pipeline_stages=3),
                 C(16, 64, 640, 10, pipeline_stages=2), C(16, 64, 768, 10, pipeline_stages=3),
-                C(16, 64, 640, 10, pipeline_stages=3, presplit_fn=True),
                 C(32, 64, 320, 8, pipeline_stages=3, sub_tiles=2)]
     return [C(32, 64, 2560, 4, pipeline_stages=3, sub_tiles=2), C(32, 64, 2560, 8, pipeline_stages=3, sub_tiles=2,
                                                                   rescale_stages=3),
-            C(32, 64, 2560, 4, pipeline_stages=3, sub_tiles=2, rescale_stages=3, presplit_fn=True),
             C(16, 64, 2560, 4, pipeline_stages=3, rescale_stages=3),
             C(16, 64, 5120, pipeline_stages=3, rescale_stages=3)]
 

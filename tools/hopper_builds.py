@@ -17,9 +17,8 @@ before Mega-mHC converted bf16 in pairs) reported 243 registers / 45056 B for th
 gate, where this built 246, 168, 130 and 217 registers with the same shared memory (Triton 3.6
 there, this machine's Triton here); it now builds 225, 178, 241 and 217 (T=64's row now takes
 three chunks per stage-A job, pipelined 3 deep, and its rescale jobs two column blocks each: two
-[16, 512] blocks in flight, which in fp32 are the final collapse's peak). A launch
-that first runs a helper kernel (Mega-mHC's `presplit_fn`) is listed by its seam kernel. A build,
-not a measurement: no timings.
+[16, 512] blocks in flight, which in fp32 are the final collapse's peak). A build, not a
+measurement: no timings.
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ same kernel (identical layers share it). For each kernel:
     source              the generated Triton file: `lowering.<op>.source_path(spec)`, the kernel
                         cache (`MEGAFUSE_KERNEL_CACHE`); `kernel_attr` is the @triton.jit function
     time                CUDA: device time per launch from torch.profiler (launches matched in order
-                        to the profiler's kernels of that name, plus any helper kernel a launch
-                        runs first, e.g. Mega-mHC's fn split with `presplit_fn`), mean over
+                        to the profiler's kernels of that name), mean over
                         --repeat forwards; CPU: wall time per launch of the Triton interpreter,
                         indicative only
     floor               CUDA: bytes the launch must move (its tensor inputs read once, outputs
@@ -31,7 +30,7 @@ same kernel (identical layers share it). For each kernel:
 
 How launches are observed: for one forward, each involved lowering module's launcher
 (`lowering.<op>.<op>`) and `load(spec, interpret)` are wrapped (and restored after), so every
-launch records its spec key, bytes, wall time and the helper kernels it loaded, and on CUDA the
+launch records its spec key, bytes and wall time, and on CUDA the
 CompiledKernel Triton returns.
 
 `--show NAME` prints a kernel's source with syntax highlighting (NAME: a kernel name, a site's FX
@@ -190,9 +189,7 @@ class _CapturingKernel:
 @contextlib.contextmanager
 def observe_launches(ops: list[str]):
     """Wrap the launcher and `load` of each op's lowering module; yields (launches, compiled, first):
-    launches = [{op, key, bytes, wall_s, helpers}] in launch order (helpers: the names of kernels
-    other than the module's KERNEL_NAME that the launch loaded, i.e. ran before its own),
-    compiled = {spec key: {id: CompiledKernel}}, first = {spec key: (op, launcher, args, kwargs)}
+    launches = [{op, key, bytes, wall_s}] in launch order, compiled = {spec key: {id: CompiledKernel}}, first = {spec key: (op, launcher, args, kwargs)}
     of the first launch of each spec."""
     launches, compiled, first, restore = [], {}, {}, []
     for op in dict.fromkeys(ops):
@@ -202,28 +199,20 @@ def observe_launches(ops: list[str]):
         if not callable(launcher) or not callable(load):
             continue
 
-        helpers = []  # the helper kernels loaded by the launch in progress
-
-        def wrapped_launcher(*args, _launcher=launcher, _op=op, _helpers=helpers, **kwargs):
+        def wrapped_launcher(*args, _launcher=launcher, _op=op, **kwargs):
             spec = next((a for a in (*args, *kwargs.values()) if dataclasses.is_dataclass(a) and hasattr(a, "key")), None)
-            _helpers.clear()
             start = time.perf_counter()
             out = _launcher(*args, **kwargs)
             wall = time.perf_counter() - start
             key = spec.key() if spec is not None else None
-            launches.append({"op": _op, "key": key, "helpers": list(_helpers),
+            launches.append({"op": _op, "key": key,
                              "bytes": _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out), "wall_s": wall})
             first.setdefault(key, (_op, _launcher, args, kwargs))
             return out
 
-        def wrapped_load(spec, *args, _load=load, _main=getattr(module, "KERNEL_NAME", None), _helpers=helpers,
-                         **kwargs):
+        def wrapped_load(spec, *args, _load=load, **kwargs):
             kernel = _load(spec, *args, **kwargs)
             interpret = kwargs.get("interpret", args[0] if args else True)
-            name = kwargs.get("name", _main)
-            if name != _main:  # a helper, e.g. mega_mhc_split_fn before a presplit launch
-                _helpers.append(name)
-                return kernel
             return kernel if interpret else _CapturingKernel(kernel, spec.key(), compiled)
 
         restore += [(module, name, launcher), (module, "load", load)]
@@ -301,12 +290,8 @@ def measure(fused, inputs: tuple, kernels: list[dict], device: str, repeat: int)
         entry["bytes_per_launch"] = int(sum(l["bytes"] for l in mine) / len(mine))
         if device == "cuda":
             timed = [l["device_s"] for l in mine if "device_s" in l]
-            entry["time"] = {"method": "torch.profiler device time per launch (with any helper kernel it runs "
-                                       "first), mean",
+            entry["time"] = {"method": "torch.profiler device time per launch, mean",
                              "per_launch_s": sum(timed) / len(timed) if timed else None}
-            helper = [l["helper_s"] for l in mine if "helper_s" in l]
-            if helper:
-                entry["time"]["helpers_per_launch_s"] = sum(helper) / len(mine)
             if not timed:
                 entry["time"]["method"] = "not available: launches and profiler kernels did not pair up"
             variants = compiled.get(key, {})
@@ -330,24 +315,15 @@ def measure(fused, inputs: tuple, kernels: list[dict], device: str, repeat: int)
 
 
 def pair_device_times(launches: list[dict], device_times: dict, kernel_name: str) -> None:
-    """Set `device_s` (and `helper_s`) of one op's launches, in launch order, from the profiler's
-    kernel durations (us) by name, in start order: the i-th launch is the i-th kernel named
-    `kernel_name`, plus, for each helper kernel it ran first (its `helpers`), that helper's next
-    occurrence. All or nothing: where a count differs, no launch is paired (the caller then says
-    the times are not available) rather than a launch given another's time."""
+    """Set `device_s` of one op's launches, in launch order, from the profiler's kernel durations
+    (us) by name, in start order: the i-th launch is the i-th kernel named `kernel_name`. All or
+    nothing: where the counts differ, no launch is paired (the caller then says the times are not
+    available) rather than a launch given another's time."""
     times = device_times.get(kernel_name, [])
-    users = defaultdict(list)  # helper name -> the launches that ran it, in order
-    for launch in launches:
-        for name in launch.get("helpers", ()):
-            users[name].append(launch)
-    if len(times) != len(launches) or any(len(device_times.get(n, [])) != len(u) for n, u in users.items()):
+    if len(times) != len(launches):
         return
     for launch, us in zip(launches, times):
         launch["device_s"] = us / 1e6
-    for name, mine in users.items():
-        for launch, us in zip(mine, device_times[name]):
-            launch["helper_s"] = launch.get("helper_s", 0.0) + us / 1e6
-            launch["device_s"] += us / 1e6
 
 
 # ------------------------------------------------------------------------------------------------

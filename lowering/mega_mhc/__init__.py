@@ -15,7 +15,6 @@ Design: docs/mega_mhc.md
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import torch
@@ -23,7 +22,7 @@ import triton.language  # noqa: F401  (import Triton before any kernel module: s
 
 from .. import occupancy
 from ..launch import PreparedLaunches, empty, layout_key
-from .codegen import KERNEL_NAME, SPLIT_FN_KERNEL, generate_source, kernel_name, load, source_path
+from .codegen import KERNEL_NAME, generate_source, kernel_name, load, source_path
 from .inputs import (check_fn_pieces, check_out, check_trace, check_tensor, new_outputs, row_major, split_fn,
                      validate)
 from .merge_codegen import SINKHORN_UNROLL
@@ -38,7 +37,7 @@ from .tuning import (CUDA_TABLE, CUDA_TILED, RESCALE_AT_ONCE_ELEMS, LaunchConfig
 __all__ = [
     "CO_RESIDENT_CANDIDATE_PER_SM", "CUDA_TABLE", "CUDA_TILED", "DTYPES", "HANDOFF_SHIFT", "KERNEL_NAME",
     "LEAVE_OUT_PARTS", "MAX_HANDOFF_PARTS", "MAX_SUB_TILES", "PRE_MODES", "RESCALE_AT_ONCE_ELEMS",
-    "SINKHORN_UNROLL", "SPLIT_FN_BLOCK", "SPLIT_FN_KERNEL", "TRACE_EVENTS", "TRACE_ROLES", "TRACE_TIMES",
+    "SINKHORN_UNROLL", "TRACE_EVENTS", "TRACE_ROLES", "TRACE_TIMES",
     "DeviceState", "LaunchConfig", "MhcSpec", "check_tensor", "choose_config", "co_resident_candidate",
     "counters_consistent", "device_key", "fits_at_once", "forget_kept_launches", "generate_source",
     "kernel_name", "load", "mega_mhc", "pdl_options", "plan", "projects_bf16_pieces", "reference",
@@ -49,7 +48,6 @@ __all__ = [
 # The launcher lives in the package module itself: tools that wrap `lowering.mega_mhc.load` or
 # `.mega_mhc` (tools.inspect_kernels) and tests that replace `.fits_at_once` reach the names it
 # calls.
-SPLIT_FN_BLOCK = 1024  # columns of fn per program of mega_mhc_split_fn
 
 
 def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec, *,
@@ -62,7 +60,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     Arguments the spec does not use may be None (and are ignored). `fn_pieces` (bf16 streams with
     coefficients): `split_fn(fn, spec)`, made once where fn does not change (frozen weights: the
     pass does it at compile time); stage A then loads them instead of splitting fn in every token
-    tile (presplit_fn without the split launch). They must be fn's: nothing checks that on the GPU.
+    tile. They must be fn's: nothing checks that on the GPU.
     `variant` forces "split" or "tiled" (default: chosen from T); `config` overrides the tiling
     (benchmark sweeps), and plan refuses a combination it cannot launch. `out`
     optionally supplies the five output tensors (None where the spec has no such output; tests and
@@ -113,13 +111,6 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
                          f"this one is {cfg} (handoff {launch_plan['handoff']})")
     n_splits = launch_plan["n_splits"]
     interpret = device.type != "cuda"
-    if fn_pieces is not None:  # split beforehand: stage A loads the pieces (PRESPLIT), nothing to split here
-        cfg = dataclasses.replace(cfg, presplit_fn=True)
-    elif cfg.presplit_fn:
-        fn_pieces = torch.empty((2, slot_width(spec.n), spec.n * spec.dim), dtype=torch.bfloat16, device=device)
-        split = load(spec, interpret=interpret, name=SPLIT_FN_KERNEL)
-        split[(-(-spec.n * spec.dim // SPLIT_FN_BLOCK), spec.width())](fn, fn_pieces, BLOCK=SPLIT_FN_BLOCK,
-                                                                       INTERPRETED=interpret, num_warps=4)
     kernel = load(spec, interpret=interpret)
 
     # A co-resident launch with epilogue jobs and the carried pre runs MONOTONIC (see the kernel)
@@ -147,7 +138,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         SPLIT_CHUNKS=launch_plan["split_chunks"], N_SPLITS=n_splits, R_BLOCK=launch_plan["r_block"],
         R_PER_JOB=launch_plan["r_per_job"], R_SPLITS=launch_plan["r_splits"],
         PIPELINE_STAGES=cfg.pipeline_stages,
-        RESCALE_STAGES=cfg.rescale_stages, ACC_COPIES=launch_plan["acc_copies"], PRESPLIT=cfg.presplit_fn,
+        RESCALE_STAGES=cfg.rescale_stages, ACC_COPIES=launch_plan["acc_copies"], PRESPLIT=fn_pieces is not None,
         CO_RESIDENT=False, HANDOFF=launch_plan["handoff"], JOB_ROTATE=job_rotation,
         SINKHORN_FACTORS=cfg.sinkhorn_factors, RESCALE_AT_ONCE=launch_plan["rescale_at_once"],
         PART_COLS=launch_plan["part_cols"], CSQ_SLOTS=0, INTERPRETED=interpret,
@@ -163,7 +154,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         if interpret or fits_at_once(kernel, grid, args, co_resident, device):
             options = co_resident
     compiled = kernel[grid](*args, **options)
-    if kept_key is not None and not (cfg.presplit_fn and kept_key[1][-1] is None):  # (no split launch to repeat)
+    if kept_key is not None:
         _kept.keep(kept_key, compiled, grid, kernel, options, device, plan=launch_plan, cfg=cfg,
                    csq_slots=csq_slots if monotonic else 0, row_major=kept_layout)
     return tuple(out)

@@ -22,7 +22,6 @@ from .template_prelude import PRELUDE, PROJECT_BF16, PROJECT_FP32
 from .template_stage_a import CHUNK_BODY, STAGE_A, SUB_BODY
 
 KERNEL_NAME = "mega_mhc_kernel"
-SPLIT_FN_KERNEL = "mega_mhc_split_fn"  # bf16 streams: fn into its bf16 pieces, for presplit_fn launches
 TEMPLATE = string.Template(PRELUDE + STAGE_A + EPILOGUE + KERNEL)
 
 
@@ -122,7 +121,7 @@ def _render(spec: MhcSpec, key: str) -> str:
                 load.append(branch)
                 for k in streams:
                     load += [f"    fa_{k} = {zeros.format(dtype)}", f"    fb_{k} = fa_{k}"]
-            load.append("elif PRESPLIT:  # fn's pieces, split once per launch (mega_mhc_split_fn)")
+            load.append("elif PRESPLIT:  # fn's pieces, given to the launch (split_fn)")
             for k in streams:
                 load.append(f"    fa_{k} = tl.load(fns_ptr + {fn_block.format(k=k)}, mask=f_ok, other=0.0)")
                 load.append(f"    fb_{k} = tl.load(fns_ptr + SLOT * ND + {fn_block.format(k=k)}, mask=f_ok, other=0.0)")
@@ -280,15 +279,6 @@ def source_path(spec: MhcSpec):
     return kernel_cache.write_source(kernel_name(spec), generate_source(spec))
 
 
-_kernels: dict[tuple[str, bool, str], object] = {}
-
-
-def load(spec: MhcSpec, interpret: bool, name: str = KERNEL_NAME):
-    """The jitted kernel `name` of `spec`'s module for one mode (writes the source to the cache on
-    first use)."""
-    memo = (spec.key(), interpret, name)
-    kernel = _kernels.get(memo)
-    if kernel is None:
-        kernel = kernel_cache.load_kernel(source_path(spec), name, interpret)
-        _kernels[memo] = kernel
-    return kernel
+def load(spec: MhcSpec, interpret: bool):
+    """The jitted kernel of `spec` for one mode (writes the source to the cache on first use)."""
+    return kernel_cache.load_generated(kernel_name(spec), lambda: generate_source(spec), KERNEL_NAME, interpret)

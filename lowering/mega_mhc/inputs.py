@@ -68,7 +68,7 @@ def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def split_fn(fn: torch.Tensor, spec: MhcSpec) -> torch.Tensor:
     """fn [(2+n)n, nD] fp32 -> its bf16 pieces [2, slot, nD] (hi rows, then lo rows; the rows past
-    (2+n)n zero), as mega_mhc_split_fn writes them: hi = fn rounded to bf16, lo = (fn - hi) rounded,
+    (2+n)n zero), as the kernel's _split makes them: hi = fn rounded to bf16, lo = (fn - hi) rounded,
     both to nearest even. For `mega_mhc(fn_pieces=...)` where fn is fixed (frozen weights)."""
     if not projects_bf16_pieces(spec):
         raise ValueError(f"split_fn: fn's bf16 pieces are for bf16 streams with coefficients, not the "

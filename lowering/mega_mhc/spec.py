@@ -33,7 +33,7 @@ TRACE_ROLES = ("tiled", "stage A", "collapse", "rescale")
 # one of its parts compiled out, to place its time by difference (the outputs are then wrong by
 # design: never for use). Part -> bit of the kernel's LEAVE_OUT constexpr.
 LEAVE_OUT_PARTS = {
-    "fn_loads": 1,  # fn's blocks are zeros: no fn reads (nor, without presplit_fn, its split)
+    "fn_loads": 1,  # fn's blocks are zeros: no fn reads (nor, without fn_pieces, its split)
     "dots": 2,  # no projection dots (and so no fn reads either): the coefficients see m = 0
     "stream_stores": 4,  # X' is computed but not stored
     "parked_store": 8,  # the collapse is not parked: the rescale reads whatever u held

@@ -108,7 +108,7 @@ def mega_mhc_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, cpre_ptr, fn_ptr, fns_ptr,
         blocks to the tile's last arrival) job = (program id + JOB_ROTATE) % jobs (see "forward
         progress" in docs/mega_mhc.md; JOB_ROTATE, HANDOFF only, tests that order)
 
-    fns_ptr: with PRESPLIT, fn already split into bf16 pieces by mega_mhc_split_fn (else unused).
+    fns_ptr: with PRESPLIT, fn's bf16 pieces, split once on the host (split_fn; else unused).
     acc_ptr: [n_tiles, ACC_COPIES, SLOT, TILE_T] partial sums (_acc_block; split: persistent, all
     zero between launches; stage-A job `part` of a tile adds into copy part % ACC_COPIES);
     ws_ptr: 1/rms per token [n_tiles * TILE_T] (epilogue-job mode).

@@ -176,9 +176,10 @@ def _split(w, INTERPRETED: tl.constexpr):
 def _project(acc, xs, fa, fb, PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc [TILE_T, SLOT] += xs [TILE_T, BLOCK_D] @ fn^T's block [BLOCK_D, SLOT] for one stream's
     chunk, as two bf16 tensor-core dots (hi, lo pieces; see _split) with fp32 accumulation (X' is
-    exactly bf16). The block as _load_chunk loaded it: (hi, lo) with PRESPLIT, else (the fp32
-    block, the same again), split here, next to its use (splitting at load time instead keeps
-    both pieces of the prefetched chunk live: 255 registers and spills at 16x64 on sm_90). The
+    exactly bf16). The block as _load_chunk loaded it: (hi, lo) with PRESPLIT (the pieces given
+    to the launch: split_fn), else (the fp32 block, the same again), split here, next to its use
+    (splitting at load time instead keeps both pieces of the prefetched chunk live: 255 registers
+    and spills at 16x64 on sm_90). The
     coefficients differ from an fp32 GEMM by ~1e-7 (fp32 summation noise); a third piece would
     make fn exact but costs registers the sweep needs."""
     if PRESPLIT:
@@ -194,20 +195,6 @@ def _project(acc, xs, fa, fb, PRESPLIT: tl.constexpr, INTERPRETED: tl.constexpr)
         acc = tl.dot(xs, lo, acc)
     return acc
 
-
-@triton.jit
-def mega_mhc_split_fn(fn_ptr, fns_ptr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fn [WIDTH, ND] fp32 -> fns [2, SLOT, ND] bf16: hi pieces, then lo pieces (_split); rows past
-    WIDTH are neither written nor read. Grid (cdiv(ND, BLOCK), WIDTH). Launched before a PRESPLIT
-    seam launch, so that its token tiles load fn's pieces instead of each splitting fn again (at
-    T=4096, 256 times)."""
-    row = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < ND
-    w = tl.load(fn_ptr + row * ND + cols, mask=ok, other=0.0)
-    hi, lo = _split(w, INTERPRETED)
-    tl.store(fns_ptr + row * ND + cols, hi, mask=ok)
-    tl.store(fns_ptr + (SLOT + row) * ND + cols, lo, mask=ok)
 '''
 
 PROJECT_FP32 = '''\

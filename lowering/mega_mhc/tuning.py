@@ -29,10 +29,6 @@ class LaunchConfig:
                  chunks in flight through shared memory (cp.async): on sm_90 fewer registers
                  (T=64: 212 instead of 255) and 44 KB of shared memory per stage
                  (tools.hopper_builds); the tuned rows use k = 3 from T=64 up
-    presplit_fn  bf16 streams with coefficients: a first launch splits fn into its bf16 pieces
-                 once (mega_mhc_split_fn), and stage A loads those instead of splitting its fp32
-                 block again in every token tile (the split is ~1/3 of stage A's instructions per
-                 chunk on sm_90, repeated T / tile_t times per launch)
     rescale_stages  0: the rescale (u = c / rms * w over the parked collapse) loads one block
                  ahead in registers; k >= 2: its loads are pipelined by Triton through shared
                  memory, k - 1 blocks ahead (the sweep's shared memory is free by then: no more
@@ -93,7 +89,6 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 2
     pipeline_stages: int = 0
-    presplit_fn: bool = False
     rescale_stages: int = 0
     sub_tiles: int = 1
     acc_copies: int = 1
@@ -121,7 +116,7 @@ class LaunchConfig:
 #                                                           32-column chunks, sub-tiles or 2 stages
 #                                                           are all slower)
 #   T=512  32 tiles x 8 slices + 5 rescale jobs a tile    (10 or 4 rescale jobs, 2 stages, 12-chunk
-#          (two 512-column blocks each), pipelined 3     slices, presplit fn and sub-tiles are
+#          (two 512-column blocks each), pipelined 3     slices, fn split first and sub-tiles are
 #          deep, the rescale at once                      slower; 256 stage-A jobs: at most two
 #                                                           per SM)
 #   T=1024 32 tiles of 32 tokens (two 16-token sub-tiles)  (16-token tiles, or a pipelined rescale,
@@ -141,7 +136,7 @@ class LaunchConfig:
 # widened to fp32 then dies before the dots): 170 registers instead of 212 at T=64, 11.0 against
 # 12.0 us. 64-column chunks (128 B of a bf16 row) beat 32-column ones wherever registers allow two
 # programs per SM. Also slower at every T: 64-token register tiles (a wgmma projection that reads fn
-# a quarter as often), 32-column presplit rows at three programs per SM, rescale jobs claimed a few
+# a quarter as often), 32-column rows of given fn pieces at three programs per SM, rescale jobs claimed a few
 # tiles after their tile's stage A, one accumulator per stream. Accumulator copies only pay at
 # T=64: the merge sums them (~0.2 us a copy at T=1), and elsewhere the atomics do not wait.
 CUDA_TABLE = (
@@ -162,8 +157,8 @@ def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = 
     """The launch configuration for `n_tokens` tokens.
 
     CUDA: the table above (tuned at D=5120 on the delayed seam), adapted to the spec: for other D
-    the same column counts per job apply, and a D too small to split gets 16-column slices; fn's
-    presplit, the rescale's pipeline and sub-tiles only where stage A projects onto fn's bf16
+    the same column counts per job apply, and a D too small to split gets 16-column slices; the
+    rescale's pipeline and sub-tiles only where stage A projects onto fn's bf16
     pieces (elsewhere a sub-tiled row's sub-tiles become tiles of their own); handoff and
     rescale_at_once only where the spec's grid allows them (plan refuses them elsewhere).
     `variant` forces "split" (the table's rows are all split) or "tiled".
@@ -193,8 +188,7 @@ def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = 
     # the rescale's pipeline fits in stage A's shared memory only where stage A stages fn's blocks
     # too; elsewhere it would take more per program
     # (fp32 final collapse on sm_90: 69632 B instead of 40960, three programs per SM, not four)
-    cfg = dataclasses.replace(cfg, presplit_fn=cfg.presplit_fn and bf16_fn,
-                              rescale_stages=cfg.rescale_stages if bf16_fn else 0)
+    cfg = dataclasses.replace(cfg, rescale_stages=cfg.rescale_stages if bf16_fn else 0)
     grid = _grid(spec, cfg)
     return dataclasses.replace(cfg, handoff=cfg.handoff and _handoff_refusal(spec, grid) is None,
                                rescale_at_once=cfg.rescale_at_once and _at_once_refusal(spec, cfg, grid) is None)
@@ -202,7 +196,7 @@ def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = 
 
 def projects_bf16_pieces(spec: MhcSpec) -> bool:
     """Stage A projects onto fn's bf16 pieces (bf16 streams with coefficients): the forms where fn
-    can be split beforehand (presplit_fn), whose pipeline stages fn's blocks (rescale_stages), and
+    can be split beforehand (split_fn), whose pipeline stages fn's blocks (rescale_stages), and
     where two sub-tiles sharing those blocks fit two programs per SM (sub_tiles; with fp32 streams
     the sm_90 build spills ~600 B and holds one program per SM)."""
     return spec.has_coefficients and spec.stream_dtype == "bfloat16"
@@ -229,9 +223,6 @@ def plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
         raise ValueError(f"mega_mhc: inconsistent launch config {cfg}: sub_tiles must be 1..{MAX_SUB_TILES}, "
                          "with tile_t / sub_tiles >= 16 (the projection dot's M), and sub_tiles > 1 needs "
                          "pipeline_stages >= 2")
-    if cfg.presplit_fn and not projects_bf16_pieces(spec):
-        raise ValueError(f"mega_mhc: presplit_fn needs bf16 streams and coefficients (fn), not the "
-                         f"{spec.stream_dtype} {spec.form()} form: {cfg}")
     grid = _grid(spec, cfg)
     n_splits, r_splits = grid["n_splits"], grid["r_splits"]
     if n_splits >> HANDOFF_SHIFT:

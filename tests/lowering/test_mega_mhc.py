@@ -17,6 +17,7 @@ from lowering import kernel_cache
 from lowering import mega_mhc as mm
 from lowering.mega_mhc import LaunchConfig, MhcSpec, generate_source, mega_mhc, reference, unsupported_reason
 from model.mhc import sinkhorn
+from tests.marks import slow_beyond
 
 D = 160
 OUTPUTS = ("streams", "u", "pre", "post", "comb")  # what mega_mhc and reference return, in order
@@ -116,7 +117,7 @@ def run_case(spec, T, how, seed, **input_kw):
     return plan
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", slow_beyond(["bfloat16", "float32", "float16"]))
 @pytest.mark.parametrize("form", list(FORMS))
 def test_every_form_equals_the_reference_in_every_variant(form, dtype):
     spec = make_spec(form, dtype)
@@ -218,8 +219,8 @@ def test_claimed_jobs_equal_co_resident_jobs(form):
     assert not mm.states["cpu"].sync.any()
 
 
-@pytest.mark.parametrize("at_once", [False, True])  # the rescale jobs' own parts in one block or the loop
-@pytest.mark.parametrize("form", ["delayed", "first_seam", "final_collapse"])
+@pytest.mark.parametrize("at_once", [True, pytest.param(False, marks=pytest.mark.slow)])  # the rescale jobs' own parts in one block or the loop
+@pytest.mark.parametrize("form", slow_beyond(["delayed", "first_seam", "final_collapse"]))
 def test_handoff_jobs_equal_co_resident_jobs_in_every_order(form, at_once):
     # LaunchConfig.handoff: job = program id without a claim or a cooperative launch, and a rescale
     # job that has waited MAX_SPINS hands its blocks to its tile's last stage-A arrival. In program
@@ -269,7 +270,7 @@ def test_handoff_applies_to_the_carried_pre_only_and_job_rotation_needs_it():
         mega_mhc(*args, carried, config=cfg, job_rotation=n_jobs)
 
 
-@pytest.mark.parametrize("form", ["delayed", "first_seam", "final_collapse"])  # the carried pre's forms
+@pytest.mark.parametrize("form", slow_beyond(["final_collapse", "delayed", "first_seam"]))  # the carried pre's forms
 def test_rescale_at_once_equals_the_block_loop(form):
     # LaunchConfig.rescale_at_once: a rescale job loads its whole part, then sum(c^2), then stores
     # it, in the block loop's arithmetic: the same bits. D=600 in 512-column blocks: one block a
@@ -301,7 +302,7 @@ def test_rescale_at_once_equals_the_block_loop(form):
     assert mm.choose_config(make_spec("delayed"), 64).rescale_at_once
 
 
-@pytest.mark.parametrize("form", ["delayed", "first_seam", "v4_fresh"])  # with coefficients: carried, no post, fresh
+@pytest.mark.parametrize("form", slow_beyond(["delayed", "first_seam", "v4_fresh"]))  # with coefficients: carried, no post, fresh
 def test_sinkhorn_on_factors_equals_the_reference_and_the_cell_rounds(form):
     # LaunchConfig.sinkhorn_factors: the rounds update row and column factors of the fixed softmax
     # cells instead of the cells. Same maths, other roundings: within fp32 noise of the cell
@@ -373,6 +374,7 @@ def tile_counters(n_splits, r_splits, n_tiles):
     return torch.zeros(n_tiles, 2, dtype=torch.int64) if ctr is None else ctr[:2 * n_tiles].view(-1, 2).clone()
 
 
+@pytest.mark.slow
 def test_monotonic_launches_add_one_launch_to_each_tile_and_reset_nothing():
     # Co-resident epilogue jobs with the carried pre run MONOTONIC: a token tile's counters only
     # grow, by N_SPLITS arrivals and R_SPLITS rescale tickets a launch that covers the tile, whatever
@@ -508,56 +510,38 @@ def test_describe_names_the_form_and_outputs():
     assert d["width"] == 24 and d["slot"] == 32 and d["outputs"] == ["streams", "u", "pre", "post", "comb"]
 
 
-# presplit_fn: fn split into its bf16 pieces once per launch (mega_mhc_split_fn), stage A loading
-# the pieces: tiled (register double-buffered and pipelined), split with last arrival, and split
-# with epilogue jobs
-PRESPLIT_CASES = ((37, LaunchConfig(16, 32, 4096, presplit_fn=True)),
-                  (21, LaunchConfig(16, 32, 4096, pipeline_stages=3, presplit_fn=True)),
-                  (3, LaunchConfig(16, 32, 64, presplit_fn=True)),
-                  (37, LaunchConfig(16, 32, 64, r_splits=3, presplit_fn=True)))
+# fn's bf16 pieces given to the launch (split_fn: what the pass does for frozen weights), stage A
+# loading them instead of splitting fn's fp32 blocks: tiled (register double-buffered and
+# pipelined), split with last arrival, and split with epilogue jobs and accumulator copies
+PIECES_CONFIGS = ((37, LaunchConfig(16, 32, 4096)),
+                  (21, LaunchConfig(16, 32, 4096, pipeline_stages=3)),
+                  (3, LaunchConfig(16, 32, 64)),
+                  (37, LaunchConfig(16, 32, 64, r_splits=3)),
+                  (37, LaunchConfig(16, 32, 64, r_splits=2, acc_copies=2)))
 
 
-@pytest.mark.parametrize("form", ["delayed", "first_seam", "v4_fresh", "v4_fresh_no_post"])
-def test_presplit_fn_equals_the_reference_and_the_inline_split(form):
+@pytest.mark.parametrize("form", slow_beyond(["delayed", "first_seam", "v4_fresh", "v4_fresh_no_post"]))
+def test_given_fn_pieces_equal_the_reference_and_the_split_in_the_launch(form):
     spec = make_spec(form, "bfloat16")
-    for i, (T, cfg) in enumerate(PRESPLIT_CASES):
-        run_case(spec, T, cfg, seed=31 * i + T, one_hot_pre=form == "first_seam")
-    # the same pieces as the in-kernel split: the tiled variant (no atomics) gives identical bits
-    args = make_inputs(spec, 37, seed=5, one_hot_pre=form == "first_seam")
-    inline = mega_mhc(*args, spec, config=LaunchConfig(16, 32, 4096))
-    presplit = mega_mhc(*args, spec, config=LaunchConfig(16, 32, 4096, presplit_fn=True))
-    for a, b in zip(inline, presplit):
-        assert (a is None and b is None) or torch.equal(a, b)
+    for i, (T, cfg) in enumerate(PIECES_CONFIGS):
+        args = make_inputs(spec, T, seed=31 * i + T, one_hot_pre=form == "first_seam")
+        given = mega_mhc(*args, spec, config=cfg, fn_pieces=mm.split_fn(args[5], spec), out=poisoned(spec, T))
+        assert_matches_reference(spec, args, given)
+        # the same pieces as the in-kernel split (_split): the same products, the same bits
+        for a, b in zip(given, mega_mhc(*args, spec, config=cfg)):
+            assert (a is None and b is None) or torch.equal(a, b), (form, cfg)
 
 
-def test_split_fn_kernel_writes_pieces_that_sum_to_fn():
+def test_split_fn_writes_pieces_that_sum_to_fn():
     spec = make_spec("delayed", "bfloat16")
     fn = make_inputs(spec, 1, seed=3)[5]
-    pieces = torch.full((2, 32, spec.n * D), float("nan"), dtype=torch.bfloat16)
-    split = mm.load(spec, interpret=True, name=mm.SPLIT_FN_KERNEL)
-    split[(-(-spec.n * D // 64), spec.width())](fn, pieces, BLOCK=64, INTERPRETED=True)
+    pieces = mm.split_fn(fn, spec)
     hi, lo = pieces[0, :spec.width()].float(), pieces[1, :spec.width()].float()
     assert torch.equal(hi, fn.bfloat16().float())  # rounded to nearest even, as the GPU's cvt.rn
     assert torch.equal(lo, (fn - hi).bfloat16().float())  # the exact residual, rounded
     assert ((hi + lo - fn).abs() <= fn.abs() * 2.0 ** -16).all()  # 16 of fp32's 24 mantissa bits
     assert ((hi - fn).abs() > fn.abs() * 2.0 ** -12).any()  # lo carries real bits: hi alone is bf16
-    # split_fn, the host's split for pieces kept across launches (frozen weights), writes the same
-    # bits, and zeros in the padding rows (which nothing reads)
-    kept = mm.split_fn(fn, spec)
-    assert torch.equal(kept[:, :spec.width()], pieces[:, :spec.width()]) and not kept[:, spec.width():].any()
-
-
-@pytest.mark.parametrize("form", ["delayed", "first_seam", "v4_fresh"])
-def test_given_fn_pieces_equal_the_split_in_the_launch(form):
-    # mega_mhc(fn_pieces=split_fn(fn)): stage A loads the given pieces and nothing is split: the
-    # bits of the launch that splits fn first (presplit_fn), in the tiled and split variants
-    spec = make_spec(form, "bfloat16")
-    for T, cfg in ((37, LaunchConfig(16, 32, 4096)), (37, LaunchConfig(16, 32, 64, r_splits=2, acc_copies=2))):
-        args = make_inputs(spec, T, seed=7, one_hot_pre=form == "first_seam")
-        given = mega_mhc(*args, spec, config=cfg, fn_pieces=mm.split_fn(args[5], spec), out=poisoned(spec, T))
-        assert_matches_reference(spec, args, given)
-        for a, b in zip(given, mega_mhc(*args, spec, config=dataclasses.replace(cfg, presplit_fn=True))):
-            assert (a is None and b is None) or torch.equal(a, b), (form, cfg)
+    assert not pieces[:, spec.width():].any()  # the padding rows (which nothing reads) are zeros
 
 
 def test_fn_pieces_are_checked_like_every_input():
@@ -574,13 +558,6 @@ def test_fn_pieces_are_checked_like_every_input():
             mega_mhc(*make_inputs(other, 3, seed=8), other, fn_pieces=pieces)
         with pytest.raises(ValueError, match="split_fn: fn's bf16 pieces are for bf16 streams with coefficients"):
             mm.split_fn(args[5], other)
-
-
-@pytest.mark.parametrize("form, dtype", [("delayed", "float32"), ("final_collapse", "bfloat16")])
-def test_presplit_fn_needs_bf16_streams_and_coefficients(form, dtype):
-    spec = make_spec(form, dtype)
-    with pytest.raises(ValueError, match="presplit_fn needs bf16 streams and coefficients"):
-        mega_mhc(*make_inputs(spec, 3, seed=1), spec, config=LaunchConfig(16, 32, 4096, presplit_fn=True))
 
 
 def test_trace_is_cuda_only_and_checked():

@@ -128,25 +128,23 @@ def test_two_sub_tiles_load_and_split_each_block_of_fn_once():
     assert sub2.programs_per_sm() == one.programs_per_sm() == 2
 
 
-def test_presplit_fn_launches_the_split_kernel_first_and_drops_the_split_from_stage_a():
-    # LaunchConfig.presplit_fn: fn's bf16 pieces come from one small kernel per launch, so the seam
-    # kernel no longer converts fn to bf16 (cvt.rn.bf16x2.f32 in PTX) in every chunk of every tile
+def test_given_fn_pieces_drop_the_split_from_stage_a():
+    # fn_pieces (split_fn once, as the pass does for frozen weights): the seam kernel no longer
+    # converts fn to bf16 (cvt.rn.bf16x2.f32 in PTX) in every chunk of every token tile
     spec = hopper_builds.mhc_spec("delayed")
     tuned = mega_mhc.choose_config(spec, 4096, device="cuda")
-    assert not tuned.presplit_fn and tuned.pipeline_stages == 3  # the T=4096 row: a tie (one more launch)
     tuned = dataclasses.replace(tuned, tile_t=16, sub_tiles=1)  # one tile's chunk: the split's full share
-    presplit = dataclasses.replace(tuned, presplit_fn=True)
-    split, seam = offline.build_launch(mega_mhc, mega_mhc.mega_mhc, *hopper_builds.mhc_inputs(spec, 4096), spec,
-                                       config=presplit)
+    inputs = hopper_builds.mhc_inputs(spec, 4096)
+    given = offline.build_kernel(mega_mhc, mega_mhc.mega_mhc, *inputs, spec, config=tuned,
+                                 fn_pieces=mega_mhc.split_fn(inputs[5], spec))
     inline = hopper_builds.build_mhc("delayed", 4096, config=tuned)
-    assert split.name == mega_mhc.SPLIT_FN_KERNEL and split.grid == (20, 24)  # 20480 / 1024 columns x 24 rows
-    _check(split)
-    _check(seam)
+    assert given.constexprs["PRESPLIT"] and not inline.constexprs["PRESPLIT"]
+    _check(given)
     converts = lambda b: len(re.findall(r"cvt\.rn\.bf16(x2)?\.f32", b.ptx))
-    assert converts(split) > 0 and converts(seam) < converts(inline) // 2
+    assert converts(given) < converts(inline) // 2
     # one stage-A chunk (the largest loop: the one with the tensor-core dots) costs over 20% fewer
     # instructions (sm_90: ~570 instead of ~790)
-    chunk, inline_chunk = seam.loops()[0], inline.loops()[0]
+    chunk, inline_chunk = given.loops()[0], inline.loops()[0]
     assert chunk.opcodes["HMMA"] > 0 and inline_chunk.opcodes["HMMA"] > 0
     assert chunk.instructions < 0.8 * inline_chunk.instructions
 

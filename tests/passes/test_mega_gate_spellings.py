@@ -368,6 +368,7 @@ def _run(strategy, check, examples: int) -> set:
     return seen
 
 
+@pytest.mark.slow
 def test_generated_spellings_fuse_whole_and_equal_the_chain():
     seen = _run(spellings(), assert_fuses_whole_and_equals_the_chain, examples=80)
     assert len(seen) >= 50

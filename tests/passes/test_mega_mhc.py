@@ -159,6 +159,7 @@ def test_every_seam_form_fuses_whole_under_inductor_freezing(tmp_path, form):
     assert err <= 1e-2
 
 
+@pytest.mark.slow
 def test_a_frozen_projection_as_mm_fuses_too():
     # freezing without weight prepacking, as on a GPU (in a fresh process: Inductor registers its
     # prepacking patterns once, at the first freezing compile): fn^T, and the gate's W^T, are

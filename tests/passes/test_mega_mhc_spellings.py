@@ -113,6 +113,7 @@ def _near_misses(examples: int) -> dict:
     return refused
 
 
+@pytest.mark.slow
 def test_equivalent_spellings_fuse_whole_once_and_equal_the_chain():
     assert len(_fused_spellings(80)) >= 50  # (80 draws give 74 distinct seams)
 
