@@ -81,6 +81,7 @@ from .registry import register
 INDEXING = (aten.split_with_sizes, aten.split, aten.slice, aten.select, aten.unbind)
 # The kernel reads these inputs in fp32; a bf16 / fp16 one is widened by the rewrite (exact).
 FP32_INPUTS = ("post", "comb", "carried_pre", "fn", "base", "scale", "norm_weight")
+OUTPUT_NAMES = ("stream", "u", "pre", "post", "comb")  # megafuse::mega_mhc's outputs, in order
 
 
 def _fake_f32(node: fx.Node) -> torch.Tensor:
@@ -96,6 +97,20 @@ def _op_args(candidate: Candidate, inputs: dict | None = None) -> tuple:
     i = inputs or candidate.inputs
     return (i["streams"], i["y"], i["post"], i["comb"], i["carried_pre"], i["fn"], i["base"], i["scale"],
             i["norm_weight"], *mhc_scalars(candidate.spec), i.get("fn_pieces"))
+
+
+def _output_dtype_mismatch(candidate: Candidate, fakes: dict) -> str | None:
+    """Why the fused op's outputs cannot stand in for the chain's nodes, or None: each must have the
+    dtype its readers get now (a graph that reads u unrounded in fp32, where the seam rounds it to
+    the stream dtype, computes another function; replaced as it is, its readers would also get a
+    dtype they were not compiled for)."""
+    fused = mhc_fake(*_op_args(candidate, fakes))
+    for index, name in enumerate(OUTPUT_NAMES):
+        node = candidate.outputs.get(name)
+        if node is not None and dtype(node) != fused[index].dtype:
+            return (f"the graph reads the seam's {name} ({node.name}) in {str(dtype(node)).removeprefix('torch.')}, "
+                    f"where the fused seam gives {str(fused[index].dtype).removeprefix('torch.')}")
+    return None
 
 
 def _widened(node: fx.Node | None) -> bool:
@@ -253,7 +268,7 @@ class MegaMhcPass(FusionPass):
             # bf16 / fp16 parameters widened). E.g. an fp32 stream with an fp64 y stays unfused.
             fakes = {k: (_fake_f32(a) if _widened(a) and k in FP32_INPUTS else val(a)) if isinstance(a, fx.Node)
                      else a for k, a in candidate.inputs.items()}
-            reason = mhc_unsupported(*_op_args(candidate, fakes))
+            reason = mhc_unsupported(*_op_args(candidate, fakes)) or _output_dtype_mismatch(candidate, fakes)
         if reason is not None and candidate.spec.has_coefficients:
             self._unfused_heads[candidate.anchor] = reason
         return reason
@@ -279,7 +294,7 @@ class MegaMhcPass(FusionPass):
             fused = graph.call_function(torch.ops.megafuse.mega_mhc.default, args)
             fused.meta["val"] = mhc_fake(*(val(a) if isinstance(a, fx.Node) else a for a in args))
             items = {}
-            for index, name in enumerate(("stream", "u", "pre", "post", "comb")):
+            for index, name in enumerate(OUTPUT_NAMES):
                 item = graph.call_function(operator.getitem, (fused, index))
                 item.meta["val"] = fused.meta["val"][index]
                 items[name] = item

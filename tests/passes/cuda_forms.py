@@ -10,6 +10,11 @@ Two post-grad rewrites of Inductor's only fire on CUDA / XPU (their checks ask f
 - unfuse_bias_add_to_pointwise (post_grad.py): addmm(bias, a, b) whose users are pointwise ->
   mm(a, b) + bias. `unfused_bias` does it to every addmm.
 
+A third difference is the torch version's, not the device's: `lossy_round_trips` is torch 2.11's
+joint-graph `pointless_convert` (pytorch/pytorch#180575 keeps the rounding from 2.12 on), which
+rewrites convert(convert(x, bf16), fp32) as x: a value rounded to bf16 and widened again is read
+unrounded. `TORCH_2_11_FORMS` adds it to `CUDA_FORMS`: the graphs the H200 (torch 2.11) gives.
+
 Install `CUDA_FORMS` as Inductor's options (`inductor_config.patch(CUDA_FORMS)`): it runs as the
 post-grad custom pre-pass, before megafuse's passes.
 """
@@ -17,7 +22,7 @@ post-grad custom pre-pass, before megafuse's passes.
 import torch
 import torch.fx as fx
 
-from passes.graph import aten, is_op
+from passes.graph import aten, is_convert, is_op, prims
 from tests.passes.online_softmax import online_softmax
 
 
@@ -62,6 +67,29 @@ def unfused_bias(graph: fx.Graph) -> None:
     graph.lint()
 
 
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def lossy_round_trips(graph: fx.Graph) -> None:
+    for node in list(graph.nodes):
+        inner = node.args[0] if is_convert(node) else None
+        if not is_convert(inner) or inner.args[1] not in _FLOATS or node.args[1] not in _FLOATS:
+            continue
+        source = inner.args[0]
+        if getattr(source.meta.get("val"), "dtype", None) not in _FLOATS:
+            continue
+        if source.meta["val"].dtype == node.args[1]:
+            node.replace_all_uses_with(source)  # (Inductor then drops the no-op convert)
+        else:
+            with graph.inserting_before(node):
+                node.replace_all_uses_with(_call(graph, prims.convert_element_type.default, (source, node.args[1]),
+                                                 node.meta["val"]))
+        graph.erase_node(node)
+        if not inner.users:
+            graph.erase_node(inner)
+    graph.lint()
+
+
 def cuda_forms(graph: fx.Graph) -> None:
     online_softmax(graph)
     unfused_bias(graph)
@@ -69,3 +97,11 @@ def cuda_forms(graph: fx.Graph) -> None:
 
 
 CUDA_FORMS = {"post_grad_custom_pre_pass": cuda_forms}
+
+
+def torch_2_11_forms(graph: fx.Graph) -> None:
+    lossy_round_trips(graph)
+    cuda_forms(graph)
+
+
+TORCH_2_11_FORMS = {"post_grad_custom_pre_pass": torch_2_11_forms}

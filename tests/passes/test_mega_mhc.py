@@ -90,6 +90,32 @@ def test_every_seam_form_matches_and_equals_the_chain(tmp_path, form, dtype, sof
         assert _rel(got, want) <= tol
 
 
+def test_a_chain_whose_readers_take_another_dtype_stays_unfused_with_the_reason(monkeypatch):
+    # A graph that reads u in fp32 where the seam rounds it to bf16 (seen on torch 2.11, whose
+    # Inductor drops a bf16 round trip: tests/passes/cuda_forms.py) computes another function, and
+    # the fused op's bf16 u would reach readers compiled for fp32: check() refuses it, with why.
+    from passes.mega_mhc import MegaMhcPass
+    match = MegaMhcPass.match
+
+    def reads_u_in_fp32(self, anchor):
+        candidate = match(self, anchor)
+        u = candidate.outputs["u"]
+        u.meta["val"] = u.meta["val"].float()
+        return candidate
+
+    monkeypatch.setattr(MegaMhcPass, "match", reads_u_in_fp32)
+    module, args = Seam("final", torch.bfloat16), _inputs(5, torch.bfloat16)
+    torch._dynamo.reset()
+    fused = passes.compile(module, passes=["mega_mhc"], fullgraph=True)
+    out = fused(*args)
+    assert fused.report.counts() == {"mega_mhc": 0}
+    reasons = [r.reason for r in fused.report.rejections("mega_mhc")]
+    assert reasons and all(r.startswith("the graph reads the seam's u (") and r.endswith(
+        "in float32, where the fused seam gives bfloat16") for r in reasons), reasons
+    for got, want in zip(out, module(*args)):
+        assert _rel(got, want) <= 1e-2  # (plain Inductor: bf16 roundings of its own)
+
+
 def _hf_order_seam():
     """A bf16 seam whose projection reads x * r (HF's order), at T = 1."""
     from tests.passes.mhc_spellings import Spelling, SpelledSeam
