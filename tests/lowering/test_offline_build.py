@@ -19,6 +19,7 @@ import torch
 import triton
 
 from lowering import mega_mhc, occupancy, offline
+from tests.marks import slow_beyond
 from tools import hopper_builds
 
 pytestmark = pytest.mark.offline_build
@@ -47,8 +48,8 @@ def _check(build: offline.Build):
     assert build.constexprs.get("INTERPRETED", False) is False  # the compiler's branches were built
 
 
-@pytest.mark.parametrize("T", hopper_builds.TOKENS)  # both mhc variants, every gate band
-@pytest.mark.parametrize("form", hopper_builds.MHC_FORMS)
+@pytest.mark.parametrize("T", slow_beyond(hopper_builds.TOKENS))  # both mhc variants, every gate band
+@pytest.mark.parametrize("form", slow_beyond(hopper_builds.MHC_FORMS))
 def test_mega_mhc_builds_for_hopper(form, T):
     build = hopper_builds.build_mhc(form, T)
     _check(build)
@@ -58,8 +59,8 @@ def test_mega_mhc_builds_for_hopper(form, T):
     assert build.constexprs["TILE_T"] == config.tile_t and build.num_warps == config.num_warps
 
 
-@pytest.mark.parametrize("T", hopper_builds.TOKENS)
-@pytest.mark.parametrize("input_dtype", hopper_builds.GATE_INPUTS)
+@pytest.mark.parametrize("T", slow_beyond(hopper_builds.TOKENS))
+@pytest.mark.parametrize("input_dtype", slow_beyond(hopper_builds.GATE_INPUTS))
 def test_mega_gate_builds_for_hopper(input_dtype, T):
     build = hopper_builds.build_gate(input_dtype, T)
     _check(build)
@@ -92,7 +93,7 @@ def test_the_build_is_specialised_like_a_launch():
     assert signature["stride_post"] == "constexpr" and constexprs["stride_post"] == 1
 
 
-@pytest.mark.parametrize("T", [64, 4096])
+@pytest.mark.parametrize("T", slow_beyond([64, 4096]))
 def test_a_pipelined_stage_a_builds_with_async_copies_and_fewer_registers(T):
     # LaunchConfig.pipeline_stages: the chunk loads move into a tl.range loop that Triton pipelines
     # through shared memory. It must really be pipelined (cp.async in the PTX), and it is worth a
@@ -165,7 +166,7 @@ def test_the_tuned_large_T_rescale_is_pipelined_in_the_sweeps_shared_memory():
 
 
 @pins_counts
-@pytest.mark.parametrize("form", ["delayed", "fresh"])
+@pytest.mark.parametrize("form", slow_beyond(["delayed", "fresh"]))
 def test_stage_a_converts_bf16_in_pairs(form):
     # _round: two fp32 values per cvt.rn.bf16x2.f32, never one at a time (cvt.rn.bf16.f32); _widen:
     # a bf16 pair widened by one shl and one and (no prmt moving the high half down first). On the
@@ -273,8 +274,8 @@ def test_the_t64_launch_counts_tiles_monotonically_and_ends_without_a_launch_wid
 
 
 @pins_counts
-@pytest.mark.parametrize("form", list(hopper_builds.MHC_FORMS))
-@pytest.mark.parametrize("T", [1, 64, 512, 4096])
+@pytest.mark.parametrize("form", slow_beyond(list(hopper_builds.MHC_FORMS)))
+@pytest.mark.parametrize("T", slow_beyond([1, 64, 512, 4096]))
 def test_stage_a_adds_its_partial_sums_with_vector_atomics(form, T):
     # stage A's accumulator atomics are masked by quads of tokens (a mask constant over each
     # thread's four consecutive tokens of a column), so the tuned builds add them as one
@@ -290,7 +291,7 @@ def test_stage_a_adds_its_partial_sums_with_vector_atomics(form, T):
     assert reds == expected
 
 
-@pytest.mark.parametrize("T", [1, 64, 512])
+@pytest.mark.parametrize("T", slow_beyond([1, 64, 512]))
 def test_a_pdl_launch_waits_for_its_predecessor_before_touching_memory(monkeypatch, T):
     # LaunchConfig.pdl as the H200 launches the seam (the launcher asks for it on CUDA devices from
     # sm_90 on, so this CPU build is made with it by hand): griddepcontrol.wait, then
@@ -362,7 +363,7 @@ def test_hopper_builds_tool_writes_one_row_per_kernel_and_token_count(tmp_path, 
     assert "--tokens must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("form", ["delayed", "fresh"])
+@pytest.mark.parametrize("form", slow_beyond(["delayed", "fresh"]))
 def test_reads_after_an_acquire_are_plain_loads(form):
     # What another program published (partial sums, the parked collapse, a fresh pre' and X') is
     # read after an acquire (the rescale's and collapse's spin, the last arrival's acq_rel atomic),

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from model import build_model, preset
+from tests.marks import slow_beyond
 
 SEQ = 72  # crosses the window (8), every ratio-2 group boundary and the candidate blocks (4 x 2)
 
@@ -20,7 +21,7 @@ def _decode_all(model, ids, prompt_len):
     return torch.cat(outs, dim=1), cache
 
 
-@pytest.mark.parametrize("prompt_len", [1, 5])
+@pytest.mark.parametrize("prompt_len", slow_beyond([1, 5]))
 def test_incremental_decode_matches_prefill_at_every_position(tiny_fp32, tiny_model, prompt_len):
     ids = _ids(tiny_fp32, 2, SEQ, seed=1)
     full = tiny_model(ids)
