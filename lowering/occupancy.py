@@ -1,7 +1,7 @@
 """How many programs (CUDA blocks) of a compiled kernel one SM holds at once: the CUDA occupancy
 calculation from registers, shared memory and warps. `lowering.offline` asks it for sm_90 builds
 made on a CPU machine; Mega-mHC's launcher asks it for the GPU it runs on, to know whether a grid
-fits on the device at once (a cooperative launch: see `mega_mhc.LaunchConfig.co_resident`).
+fits on the device at once (a cooperative launch: see `mega_mhc.Dispatch.RESIDENT`).
 """
 
 from __future__ import annotations

@@ -168,13 +168,13 @@ def correctness_suite(device, dry: bool, log) -> list:
     # sum(c^2) in them too
     runs += [("v4_fresh/acc-copies", dataclasses.replace(delayed, pre="fresh"), 37 if dry else 64, None,
               LaunchConfig(16, 32, 32, r_splits=3, acc_copies=3) if dry else None)]
-    # jobs claimed with an atomic (co_resident=False: what a grid too large for the device at once
+    # jobs claimed with an atomic (Dispatch.CLAIMED: what a grid too large for the device at once
     # gets) at a size whose tuned launch is co-resident
     claimed = LaunchConfig(16, 32, 32, r_splits=3, acc_copies=3) if dry else mm.choose_config(delayed, 64)
     runs += [("delayed/claimed-jobs", delayed, 37 if dry else 64, None,
-              dataclasses.replace(claimed, co_resident=False)),
+              dataclasses.replace(claimed, dispatch=mm.Dispatch.CLAIMED)),
              # neither claimed nor cooperative: a rescale job that waits too long hands off its blocks
-             ("delayed/handoff", delayed, 37 if dry else 64, None, dataclasses.replace(claimed, handoff=True)),
+             ("delayed/handoff", delayed, 37 if dry else 64, None, dataclasses.replace(claimed, dispatch=mm.Dispatch.HANDOFF)),
              # Sinkhorn's rounds on row and column factors of the fixed softmax cells, and on the
              # cells; the rescale jobs' parts loaded at once, and in the block loop (whichever the
              # tuned row does, the other is checked too)
@@ -189,7 +189,7 @@ def correctness_suite(device, dry: bool, log) -> list:
              # co-resident with the carried pre (MONOTONIC tile counters) and fn's pieces given
              # (split once, as for frozen weights); without programmatic dependent launch
              ("delayed/given-fn-pieces", delayed, 37 if dry else 64, None, None),
-             ("delayed/no-pdl", delayed, 37 if dry else 64, None, dataclasses.replace(claimed, co_resident=True,
+             ("delayed/no-pdl", delayed, 37 if dry else 64, None, dataclasses.replace(claimed, dispatch=mm.Dispatch.RESIDENT,
                                                                                        pdl=False))]
     fp32 = dataclasses.replace(delayed, stream_dtype="float32")
     runs += [("delayed fp32", fp32, 37, "split", None)] + ([("delayed fp32", fp32, 3, "tiled", None)] if dry else [])
@@ -279,11 +279,12 @@ def run_sweep(T: int, device, log) -> list:
     ref = mm.reference(*args, V41)
     rows = []
     tuned = mm.choose_config(V41, T, device=device)
-    # the tuned row with each launch flag flipped, as well (handoff: neither claimed nor
-    # cooperative; Sinkhorn on factors or cells; the rescale jobs' parts at once or in the loop)
-    flags = ("handoff", "sinkhorn_factors", "rescale_at_once")
+    # the tuned row with each launch choice flipped, as well (the other dispatch of handoff and
+    # resident; Sinkhorn on factors or cells; the rescale jobs' parts at once or in the loop)
+    other_dispatch = mm.Dispatch.RESIDENT if tuned.dispatch is mm.Dispatch.HANDOFF else mm.Dispatch.HANDOFF
     configs = [tuned] + [c for c in sweep_configs(T) if c != tuned] + [
-        dataclasses.replace(tuned, **{flag: not getattr(tuned, flag)}) for flag in flags]
+        dataclasses.replace(tuned, dispatch=other_dispatch),
+        *(dataclasses.replace(tuned, **{flag: not getattr(tuned, flag)}) for flag in ("sinkhorn_factors", "rescale_at_once"))]
     for cfg in dict.fromkeys(configs):  # (a neighbour may be the tuned row)
         r = {"config": dataclasses.asdict(cfg)}
         try:  # (a flipped flag may be one the plan refuses at this T)

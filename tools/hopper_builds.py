@@ -78,14 +78,14 @@ def h200_build(module, launcher, *args, config, **kwargs) -> offline.Build:
     build only where its launcher would pick it there (`mega_mhc.fits_at_once`: a
     `co_resident_candidate` grid that the build's occupancy holds), else the build whose jobs are
     claimed."""
-    if module is mega_mhc and getattr(config, "co_resident", False):
+    claimed = {"dispatch": mega_mhc.Dispatch.CLAIMED}
+    if module is mega_mhc and config.dispatch is mega_mhc.Dispatch.RESIDENT:
         spec = next(a for a in args if isinstance(a, mega_mhc.MhcSpec))
         if not mega_mhc.co_resident_candidate(mega_mhc.plan(spec, config, args[0].shape[0])["n_jobs"], H200_SMS):
-            config = dataclasses.replace(config, co_resident=False)
+            config = dataclasses.replace(config, **claimed)
     build = offline.build_kernel(module, launcher, *args, config=config, **kwargs)
     if build.constexprs.get("CO_RESIDENT") and build.grid[0] > build.programs_per_sm() * H200_SMS:
-        build = offline.build_kernel(module, launcher, *args, config=dataclasses.replace(config, co_resident=False),
-                                     **kwargs)
+        build = offline.build_kernel(module, launcher, *args, config=dataclasses.replace(config, **claimed), **kwargs)
     return build
 
 

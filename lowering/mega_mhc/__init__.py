@@ -31,14 +31,14 @@ from .spec import (DTYPES, HANDOFF_SHIFT, LEAVE_OUT_PARTS, MAX_HANDOFF_PARTS, MA
                    TRACE_EVENTS, TRACE_ROLES, TRACE_TIMES, MhcSpec, next_pow2, slot_width, unsupported_reason)
 from .state import (DeviceState, counters_consistent, device_key, reserve_sync, reset_sync, split_buffers, states,
                     sync_state_is_clear, tile_counters)
-from .tuning import (CUDA_TABLE, CUDA_TILED, RESCALE_AT_ONCE_ELEMS, LaunchConfig, choose_config, plan,
+from .tuning import (CUDA_TABLE, CUDA_TILED, RESCALE_AT_ONCE_ELEMS, Dispatch, LaunchConfig, choose_config, plan,
                      projects_bf16_pieces)
 
 __all__ = [
     "CO_RESIDENT_CANDIDATE_PER_SM", "CUDA_TABLE", "CUDA_TILED", "DTYPES", "HANDOFF_SHIFT", "KERNEL_NAME",
     "LEAVE_OUT_PARTS", "MAX_HANDOFF_PARTS", "MAX_SUB_TILES", "PRE_MODES", "RESCALE_AT_ONCE_ELEMS",
     "SINKHORN_UNROLL", "TRACE_EVENTS", "TRACE_ROLES", "TRACE_TIMES",
-    "DeviceState", "LaunchConfig", "MhcSpec", "check_tensor", "choose_config", "co_resident_candidate",
+    "DeviceState", "Dispatch", "LaunchConfig", "MhcSpec", "check_tensor", "choose_config", "co_resident_candidate",
     "counters_consistent", "device_key", "fits_at_once", "forget_kept_launches", "generate_source",
     "kernel_name", "load", "mega_mhc", "pdl_options", "plan", "projects_bf16_pieces", "reference",
     "reserve_sync", "reset_sync", "slot_width", "source_path", "split_buffers", "split_fn", "states",
@@ -68,7 +68,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     [programs, len(TRACE_EVENTS)] tensor (`trace_shape`) that a traced build of the kernel fills
     with per-program event times (see TRACE_EVENTS). `leave_out` (a timing diagnostic, names from
     LEAVE_OUT_PARTS) compiles those parts of stage A out: the outputs are then wrong by design.
-    `job_rotation` (a test of LaunchConfig.handoff, which it needs) numbers program p's job
+    `job_rotation` (a test of Dispatch.HANDOFF, which it needs) numbers program p's job
     (p + job_rotation) % jobs: with the tiles' rescale jobs first, the interpreter (programs one at
     a time, in order) runs each before its tile's stage A, so that every one hands its blocks off.
     Inputs are never modified. Outside a CUDA graph a call costs 0.1-0.3 ms of host time (Triton's
@@ -106,7 +106,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     rotation_ok = job_rotation == 0 or (launch_plan["handoff"] and 0 <= job_rotation < launch_plan["n_jobs"])
     if not isinstance(job_rotation, int) or not rotation_ok:
         raise ValueError(f"mega_mhc: job_rotation={job_rotation!r} needs a launch with handoff (a split config "
-                         f"with handoff=True and rescale jobs, carried pre) and a value in "
+                         f"with dispatch=handoff and rescale jobs, carried pre) and a value in "
                          f"0..{launch_plan['n_jobs'] - 1}; "
                          f"this one is {cfg} (handoff {launch_plan['handoff']})")
     n_splits = launch_plan["n_splits"]
@@ -117,7 +117,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
     # on its own token-tile counters and sum(c^2) slots; a launch that turns out not to fit at
     # once never reads them, and a grid too large to be co-resident (fits_at_once refuses it
     # without a build) does not get them
-    try_co_resident = cfg.co_resident and launch_plan["r_splits"] > 0 and not launch_plan["handoff"]
+    try_co_resident = cfg.dispatch is Dispatch.RESIDENT and launch_plan["r_splits"] > 0
     csq_slots = next_pow2(n_splits) if try_co_resident and spec.pre == "carried" else 0
     monotonic = bool(csq_slots) and (interpret or co_resident_candidate(
         launch_plan["n_jobs"], torch.cuda.get_device_properties(device).multi_processor_count))

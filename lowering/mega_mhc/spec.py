@@ -14,7 +14,7 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRE_MODES = ("carried", "fresh")
 # Sync words count in their low HANDOFF_SHIFT bits (so a tile has fewer stage-A jobs than 2 **
-# HANDOFF_SHIFT); with LaunchConfig.handoff a tile's ARRIVE_A word also holds one bit per rescale
+# HANDOFF_SHIFT); with Dispatch.HANDOFF a tile's ARRIVE_A word also holds one bit per rescale
 # part above the count (bits up to 30 of the int32: MAX_HANDOFF_PARTS).
 HANDOFF_SHIFT = 16
 MAX_HANDOFF_PARTS = 31 - HANDOFF_SHIFT

@@ -4,6 +4,7 @@ config gives at T tokens, refusing impossible combinations)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,31 @@ from .spec import HANDOFF_SHIFT, MAX_HANDOFF_PARTS, MAX_SUB_TILES, MhcSpec, next
 
 # LaunchConfig.rescale_at_once: the largest part (elements) a rescale job holds in registers at once
 RESCALE_AT_ONCE_ELEMS = 16384
+
+
+class Dispatch(str, enum.Enum):
+    """How a split launch with rescale jobs gives each program its job: one choice, the config's
+    `dispatch` (docs/mega_mhc.md, "forward progress", argues each correct).
+
+    RESIDENT  on CUDA, where the device holds every program of the launch at once (the occupancy
+              of the compiled kernel), one cooperative grid (CUDA refuses one that cannot be
+              resident) with job = program id; otherwise CLAIMED. The interpreter runs programs in
+              order, so job = program id there.
+    CLAIMED   every program claims its job with an atomic on one counter first, any grid (the
+              claims of a launch serialise there: the last comes 0.45 us after the first start at
+              T=64).
+    HANDOFF   job = program id with neither a claim nor a cooperative launch, any device; a rescale
+              job that has waited MAX_SPINS for its tile hands its blocks to the tile's last
+              stage-A arrival, which does them after its merge: correct whatever the dispatch order
+              and however few programs are resident. Needs the carried pre and at most
+              MAX_HANDOFF_PARTS rescale jobs a tile (plan refuses it otherwise). The T=1 row uses it
+              (5.52 against 5.89 us); at T=64 it is slower (9.06 against 8.89 us) and at T=4096,
+              where the grid is not resident, much slower (170 against 145: handed parts run one
+              after another).
+    """
+    RESIDENT = "resident"
+    CLAIMED = "claimed"
+    HANDOFF = "handoff"
 
 
 @dataclass(frozen=True)
@@ -44,21 +70,7 @@ class LaunchConfig:
                  and wait on one another: at T=64 (27 jobs a tile) a job's arrival (a release,
                  which waits for its atomics) takes 1.9 us after its sweep with one copy and 0.9
                  with four; the merge's loads grow with the copies (see the table)
-    co_resident  split variant with epilogue jobs, on CUDA: where the device holds every program
-                 of the launch at once (occupancy of the compiled kernel), launch them as one
-                 cooperative grid (CUDA refuses one that cannot be resident) and take job = program
-                 id, instead of every program claiming its job with an atomic on one counter
-                 first (the claims of a launch serialise there: the last comes 0.45 us after the
-                 first start at T=64); False: always claim. See "forward progress" in
-                 docs/mega_mhc.md
-    handoff      split variant with epilogue jobs and a carried pre (at most MAX_HANDOFF_PARTS
-                 rescale jobs a tile), any device: job = program id, with neither a claim nor a
-                 cooperative launch (co_resident is not consulted), and a rescale job that has
-                 waited MAX_SPINS for its tile hands its blocks to the tile's last stage-A arrival,
-                 which does them after its merge: correct whatever the dispatch order and however
-                 few programs are resident. The T=1 row uses it (5.52 against 5.89 us without); at T=64
-                 it is slower (9.06 against 8.89 us) and at T=4096, where the grid is not
-                 resident, much slower (170 against 145: handed parts run one after another)
+    dispatch     split variant with epilogue jobs: how programs get their jobs (Dispatch)
     sinkhorn_factors  Sinkhorn's rounds after the first column normalisation keep the softmax
                  cells K fixed and update row and column factors (merge_codegen): 48 instead of 72
                  instructions a round on sm_90, where the merge's rounds are bound by instruction
@@ -92,8 +104,7 @@ class LaunchConfig:
     rescale_stages: int = 0
     sub_tiles: int = 1
     acc_copies: int = 1
-    co_resident: bool = True
-    handoff: bool = False
+    dispatch: Dispatch = Dispatch.RESIDENT
     sinkhorn_factors: bool = False
     rescale_at_once: bool = False
     pdl: bool = True
@@ -140,7 +151,7 @@ class LaunchConfig:
 # tiles after their tile's stage A, one accumulator per stream. Accumulator copies only pay at
 # T=64: the merge sums them (~0.2 us a copy at T=1), and elsewhere the atomics do not wait.
 CUDA_TABLE = (
-    (16, LaunchConfig(16, 32, 32, 16, handoff=True, sinkhorn_factors=True, rescale_at_once=True)),
+    (16, LaunchConfig(16, 32, 32, 16, dispatch=Dispatch.HANDOFF, sinkhorn_factors=True, rescale_at_once=True)),
     (128, LaunchConfig(16, 64, 192, 5, pipeline_stages=3, acc_copies=4, rescale_stages=3, sinkhorn_factors=True,
                        rescale_at_once=True)),
     (512, LaunchConfig(16, 64, 640, 8, pipeline_stages=3, rescale_at_once=True)),
@@ -190,7 +201,8 @@ def choose_config(spec: MhcSpec, n_tokens: int, *, device: torch.device | str = 
     # (fp32 final collapse on sm_90: 69632 B instead of 40960, three programs per SM, not four)
     cfg = dataclasses.replace(cfg, rescale_stages=cfg.rescale_stages if bf16_fn else 0)
     grid = _grid(spec, cfg)
-    return dataclasses.replace(cfg, handoff=cfg.handoff and _handoff_refusal(spec, grid) is None,
+    refused_handoff = cfg.dispatch is Dispatch.HANDOFF and _handoff_refusal(spec, grid) is not None
+    return dataclasses.replace(cfg, dispatch=Dispatch.RESIDENT if refused_handoff else cfg.dispatch,
                                rescale_at_once=cfg.rescale_at_once and _at_once_refusal(spec, cfg, grid) is None)
 
 
@@ -229,11 +241,11 @@ def plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
         raise ValueError(f"mega_mhc: {n_splits} stage-A jobs a token tile (D={spec.dim} in slices of "
                          f"{grid['split_chunks'] * cfg.block_d} columns) exceed the sync words' count of "
                          f"{(1 << HANDOFF_SHIFT) - 1}: use wider slices (split_cols)")
-    for flag, refusal in (("handoff", _handoff_refusal(spec, grid)),
-                          ("rescale_at_once", _at_once_refusal(spec, cfg, grid))):
-        if getattr(cfg, flag) and refusal:
-            raise ValueError(f"mega_mhc: {flag}=True needs {refusal} (the {spec.form()} form at D={spec.dim}): "
-                             f"{cfg}")
+    handoff = cfg.dispatch is Dispatch.HANDOFF
+    for choice, asked, refusal in (("dispatch=handoff", handoff, _handoff_refusal(spec, grid)),
+                                   ("rescale_at_once=True", cfg.rescale_at_once, _at_once_refusal(spec, cfg, grid))):
+        if asked and refusal:
+            raise ValueError(f"mega_mhc: {choice} needs {refusal} (the {spec.form()} form at D={spec.dim}): {cfg}")
     n_tiles = -(-T // cfg.tile_t)
     n_jobs = n_tiles * n_splits
     if r_splits:
@@ -242,7 +254,7 @@ def plan(spec: MhcSpec, cfg: LaunchConfig, T: int) -> dict:
     return dict(n_tiles=n_tiles, n_chunks=grid["n_chunks"], split_chunks=grid["split_chunks"], n_splits=n_splits,
                 r_block=grid["r_block"], r_per_job=grid["r_per_job"], r_splits=r_splits, n_jobs=n_jobs,
                 acc_copies=acc_copies, acc_elems=n_tiles * acc_copies * cfg.tile_t * slot_width(spec.n),
-                handoff=cfg.handoff, rescale_at_once=cfg.rescale_at_once, part_cols=grid["part_cols"],
+                handoff=handoff, rescale_at_once=cfg.rescale_at_once, part_cols=grid["part_cols"],
                 variant="tiled" if n_splits == 1 else "split")
 
 

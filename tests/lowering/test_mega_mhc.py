@@ -206,13 +206,13 @@ def test_fp16_streams_round_where_the_reference_rounds(form):
 
 @pytest.mark.parametrize("form", ["delayed", "v4_fresh"])
 def test_claimed_jobs_equal_co_resident_jobs(form):
-    # LaunchConfig.co_resident=False claims every job with an atomic (the path CUDA takes where
+    # Dispatch.CLAIMED claims every job with an atomic (the path CUDA takes where
     # the grid does not fit on the device at once); the interpreter runs programs in program-id
     # order, the claim order, so both number the jobs alike and give the same bits
     spec = make_spec(form, "bfloat16")
     args = make_inputs(spec, 37, seed=67)
     cfg = LaunchConfig(16, 32, 32, r_splits=3, acc_copies=2)
-    claimed = mega_mhc(*args, spec, config=dataclasses.replace(cfg, co_resident=False), out=poisoned(spec, 37))
+    claimed = mega_mhc(*args, spec, config=dataclasses.replace(cfg, dispatch=mm.Dispatch.CLAIMED), out=poisoned(spec, 37))
     assert_matches_reference(spec, args, claimed)
     for got, want in zip(mega_mhc(*args, spec, config=cfg), claimed):
         assert torch.equal(got, want)
@@ -222,7 +222,7 @@ def test_claimed_jobs_equal_co_resident_jobs(form):
 @pytest.mark.parametrize("at_once", [True, pytest.param(False, marks=pytest.mark.slow)])  # the rescale jobs' own parts in one block or the loop
 @pytest.mark.parametrize("form", slow_beyond(["delayed", "first_seam", "final_collapse"]))
 def test_handoff_jobs_equal_co_resident_jobs_in_every_order(form, at_once):
-    # LaunchConfig.handoff: job = program id without a claim or a cooperative launch, and a rescale
+    # Dispatch.HANDOFF: job = program id without a claim or a cooperative launch, and a rescale
     # job that has waited MAX_SPINS hands its blocks to its tile's last stage-A arrival. In program
     # order (the interpreter's) every tile has arrived before its rescale jobs start: nothing is
     # handed, and the bits equal the co-resident launch's. job_rotation puts the rescale jobs first
@@ -232,14 +232,14 @@ def test_handoff_jobs_equal_co_resident_jobs_in_every_order(form, at_once):
     T = 37
     args = make_inputs(spec, T, seed=68)
     cfg = LaunchConfig(16, 32, 128, r_splits=2, acc_copies=2, rescale_at_once=at_once)
-    plan = mm.plan(spec, dataclasses.replace(cfg, handoff=True), T)
+    plan = mm.plan(spec, dataclasses.replace(cfg, dispatch=mm.Dispatch.HANDOFF), T)
     assert plan["rescale_at_once"] == at_once
     n_a = plan["n_tiles"] * plan["n_splits"]
     assert plan["handoff"] and (plan["n_tiles"], plan["n_splits"], plan["r_splits"]) == (3, 5, 2)
     assert plan["n_jobs"] == n_a + 2 * 3
     co_resident = mega_mhc(*args, spec, config=cfg)
     for rotation in (0, n_a, plan["n_jobs"] - 1):
-        got = mega_mhc(*args, spec, config=dataclasses.replace(cfg, handoff=True), out=poisoned(spec, T),
+        got = mega_mhc(*args, spec, config=dataclasses.replace(cfg, dispatch=mm.Dispatch.HANDOFF), out=poisoned(spec, T),
                        job_rotation=rotation)
         assert_matches_reference(spec, args, got)
         assert not mm.states["cpu"].sync.any() and not mm.states["cpu"].acc.any()
@@ -251,20 +251,21 @@ def test_handoff_jobs_equal_co_resident_jobs_in_every_order(form, at_once):
 
 
 def test_handoff_applies_to_the_carried_pre_only_and_job_rotation_needs_it():
-    cfg = LaunchConfig(16, 32, 32, r_splits=3, handoff=True)
+    cfg = LaunchConfig(16, 32, 32, r_splits=3, dispatch=mm.Dispatch.HANDOFF)
     fresh, carried = make_spec("v4_fresh"), make_spec("delayed")
-    with pytest.raises(ValueError, match="handoff=True needs the carried pre"):
+    with pytest.raises(ValueError, match="dispatch=handoff needs the carried pre"):
         mm.plan(fresh, cfg, 37)  # its collapse jobs wait on the merge itself
     assert mm.plan(carried, cfg, 37)["handoff"]
-    with pytest.raises(ValueError, match="handoff=True needs 1..15 rescale jobs a token tile"):
+    with pytest.raises(ValueError, match="dispatch=handoff needs 1..15 rescale jobs a token tile"):
         mm.plan(carried, dataclasses.replace(cfg, r_splits=0), 37)  # no rescale jobs
-    with pytest.raises(ValueError, match="handoff=True needs the carried pre"):
+    with pytest.raises(ValueError, match="dispatch=handoff needs the carried pre"):
         mega_mhc(*make_inputs(fresh, 37, seed=69), fresh, config=cfg)
     # the table's rows are adapted to the spec instead: no handoff where it cannot run
-    assert mm.choose_config(carried, 1).handoff and not mm.choose_config(fresh, 1).handoff
+    assert mm.choose_config(carried, 1).dispatch is mm.Dispatch.HANDOFF
+    assert mm.choose_config(fresh, 1).dispatch is mm.Dispatch.RESIDENT
     args = make_inputs(carried, 37, seed=70)
     with pytest.raises(ValueError, match="job_rotation=1 needs a launch with handoff"):
-        mega_mhc(*args, carried, config=dataclasses.replace(cfg, handoff=False), job_rotation=1)
+        mega_mhc(*args, carried, config=dataclasses.replace(cfg, dispatch=mm.Dispatch.RESIDENT), job_rotation=1)
     n_jobs = mm.plan(carried, cfg, 37)["n_jobs"]
     with pytest.raises(ValueError, match=f"a value in 0..{n_jobs - 1}"):
         mega_mhc(*args, carried, config=cfg, job_rotation=n_jobs)
@@ -392,8 +393,8 @@ def test_monotonic_launches_add_one_launch_to_each_tile_and_reset_nothing():
         run_case(spec, T, cfg, seed=80 + i)
         expected[:-(-T // 16)] += torch.tensor([5, 2])
         assert torch.equal(tile_counters(5, 2, 3), expected), (spec.form(), T)
-    for spec, how in ((carried, dataclasses.replace(cfg, co_resident=False)),
-                      (carried, dataclasses.replace(cfg, handoff=True)),
+    for spec, how in ((carried, dataclasses.replace(cfg, dispatch=mm.Dispatch.CLAIMED)),
+                      (carried, dataclasses.replace(cfg, dispatch=mm.Dispatch.HANDOFF)),
                       (make_spec("v4_fresh", "bfloat16", dim=600), cfg)):
         run_case(spec, 37, how, seed=90)
         assert torch.equal(tile_counters(5, 2, 3), expected), (spec.form(), how)
@@ -412,7 +413,7 @@ def test_monotonic_launch_sums_the_jobs_own_sum_c2_slots_like_the_accumulator():
         args = make_inputs(spec, 37, seed=91)
         slots = mega_mhc(*args, spec, config=cfg, out=poisoned(spec, 37))
         assert_matches_reference(spec, args, slots)
-        claimed = mega_mhc(*args, spec, config=dataclasses.replace(cfg, co_resident=False))
+        claimed = mega_mhc(*args, spec, config=dataclasses.replace(cfg, dispatch=mm.Dispatch.CLAIMED))
         for name, a, b in zip(OUTPUTS, slots, claimed):
             if name == "u":  # bf16 u from an fp32 sum in another order: at most a rounding step apart
                 assert rel(a, b) <= 1e-3 and (a.float() - b.float()).abs().max() <= 2 ** -6 * b.float().abs().max()

@@ -26,18 +26,18 @@ def test_co_resident_only_where_the_grid_fits(monkeypatch):
         assert_matches_reference(spec, args, mm.mega_mhc(*args, spec))
     assert decided == [True, False]
     args = tuple(a.cuda() for a in make_inputs(spec, 64, seed=1))
-    claimed = dataclasses.replace(mm.choose_config(spec, 64), co_resident=False)
+    claimed = dataclasses.replace(mm.choose_config(spec, 64), dispatch=mm.Dispatch.CLAIMED)
     assert_matches_reference(spec, args, mm.mega_mhc(*args, spec, config=claimed))
 
 
 def test_handoff_launches_equal_the_reference_in_every_job_order(monkeypatch):
-    # LaunchConfig.handoff: job = program id with neither a claim nor a cooperative launch (no
+    # Dispatch.HANDOFF: job = program id with neither a claim nor a cooperative launch (no
     # co-resident build is compiled to decide). At T=64 and T=4096 (768 programs: not all resident)
     # it equals the reference, in program order and with the rescale jobs numbered first.
     spec = make_spec("delayed", "bfloat16", dim=5120)
     monkeypatch.setattr(mm, "fits_at_once", lambda *a: pytest.fail("a handoff launch asked for a co-resident build"))
     for T in (64, 4096):
-        cfg = dataclasses.replace(mm.choose_config(spec, T), handoff=True)
+        cfg = dataclasses.replace(mm.choose_config(spec, T), dispatch=mm.Dispatch.HANDOFF)
         plan = mm.plan(spec, cfg, T)
         assert plan["handoff"]
         args = tuple(a.cuda() for a in make_inputs(spec, T, seed=T + 5))

@@ -230,11 +230,11 @@ def test_the_t64_merge_is_co_resident_with_approximate_exp_and_sinkhorn_in_fours
 
 @pins_counts
 def test_a_handoff_launch_builds_for_sm90_without_claim_or_cooperative_grid():
-    # LaunchConfig.handoff on the tuned T=64 row: job = program id and no co-resident build (the
+    # Dispatch.HANDOFF on the tuned T=64 row: job = program id and no co-resident build (the
     # launcher neither claims nor launches cooperatively); the tile's last arrival holds the handed
     # parts' rescale loop after its merge, the rescale jobs a bounded wait and the hand-off atomic
     cfg = dataclasses.replace(mega_mhc.choose_config(hopper_builds.mhc_spec("delayed"), 64, device="cuda"),
-                              handoff=True)
+                              dispatch=mega_mhc.Dispatch.HANDOFF)
     build = hopper_builds.build_mhc("delayed", 64, config=cfg)
     assert build.constexprs["HANDOFF"] and not build.constexprs["CO_RESIDENT"] and build.grid == (128,)
     assert build.programs_per_sm() >= 1 and build.stack_bytes == 0
@@ -264,7 +264,7 @@ def test_the_t64_launch_counts_tiles_monotonically_and_ends_without_a_launch_wid
     cfg = mega_mhc.choose_config(spec, 64, device="cuda")
     ops = lambda b: collections.Counter(re.findall(r"\b(?:atom|red)\.[\w.]+", b.ptx))
     tuned, claimed = (hopper_builds.build_mhc("delayed", 64, config=c)
-                      for c in (cfg, dataclasses.replace(cfg, co_resident=False)))
+                      for c in (cfg, dataclasses.replace(cfg, dispatch=mega_mhc.Dispatch.CLAIMED)))
     _check(tuned)
     assert tuned.constexprs["CSQ_SLOTS"] == 32 and claimed.constexprs["CSQ_SLOTS"] == 0
     assert ops(tuned) == {"red.global.gpu.relaxed.add.v4.f32": 1, "atom.global.gpu.acq_rel.add.u64": 1,
