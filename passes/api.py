@@ -14,8 +14,10 @@ from .report import CompileReport, GraphReport
 
 
 class FusedModule(nn.Module):
-    """A module compiled under megafuse's passes. Call it like the original; `report` holds what
-    each pass matched, rejected (and why) and the time it took, across every graph compiled so far."""
+    """A module compiled under megafuse's passes, for inference. Call it like the original: it runs
+    under `torch.no_grad()` (with autograd on, AOT autograd would keep every chain's intermediates for
+    a backward, and no chain could fuse; the fused ops have no backward). `report` holds what each
+    pass matched, rejected (and why) and the time it took, across every graph compiled so far."""
 
     def __init__(self, module: nn.Module, manager: PassManager, compiled):
         super().__init__()
@@ -24,7 +26,8 @@ class FusedModule(nn.Module):
         self._compiled = compiled
 
     def forward(self, *args, **kwargs):
-        return self._compiled(*args, **kwargs)
+        with torch.no_grad():
+            return self._compiled(*args, **kwargs)
 
     @property
     def report(self) -> CompileReport:
@@ -33,7 +36,8 @@ class FusedModule(nn.Module):
 
 def compile(module: nn.Module, passes="all", *, pass_options: dict | None = None, dump_dir=None,
             debug_nodes: list[str] | None = None, **torch_compile_kwargs) -> FusedModule:
-    """torch.compile `module` with megafuse's passes installed for this compile only.
+    """torch.compile `module` for inference (the result runs under torch.no_grad(): FusedModule)
+    with megafuse's passes installed for this compile only.
 
     passes: "all", "none" (the plain Inductor baseline) or a list / comma-separated string of names.
     pass_options: {pass name: {option: value}}. dump_dir: write each graph before/after each pass.

@@ -53,12 +53,18 @@ class FusionPass:
     description: ClassVar[str]
     op: ClassVar[str]
     default_options: ClassVar[dict] = {}
+    option_choices: ClassVar[dict] = {}  # option -> its valid values, where they are a closed set
     run_order: ClassVar[int] = 100  # the manager runs passes by ascending run_order
 
     def __init__(self, **options):
         unknown = set(options) - set(self.default_options)
         if unknown:
             raise ValueError(f"pass {self.name!r}: unknown options {sorted(unknown)}; valid: {sorted(self.default_options)}")
+        for option, value in options.items():
+            choices = self.option_choices.get(option)
+            if choices is not None and value not in choices:
+                raise ValueError(f"pass {self.name!r}: {option}={value!r} is not a valid value; valid: "
+                                 f"{', '.join(map(repr, choices))}")
         self.options = {**self.default_options, **options}
 
     # ---- what a pass declares -------------------------------------------------------------------

@@ -56,6 +56,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from lowering import mega_gate as gate_kernels
+
 from . import ops
 from .base import Candidate, FusionPass, NoMatch
 from .graph import aten, arg, dtype, frozen_value, frozen_weight, is_convert, is_last_dim, is_op, linear_operands, \
@@ -462,6 +464,7 @@ class MegaGatePass(FusionPass):
     description = "MoE gate: GEMM + scoring + bias + top-k + gather + renormalise + scale in one kernel"
     op = "megafuse::mega_gate"
     default_options = {"precision": "tf32x3"}
+    option_choices = {"precision": gate_kernels.PRECISIONS}
     run_order = 20
 
     def anchors(self, graph: fx.Graph):

@@ -43,6 +43,9 @@ def resolve(selection) -> list[str]:
         return []
     chosen = selection.split(",") if isinstance(selection, str) else list(selection)
     chosen = [c.strip() for c in chosen if c.strip()]
+    if not chosen:  # an empty selection is a slip, not a request for the baseline
+        raise ValueError(f"no pass selected ({selection!r}); valid: 'all', 'none' (plain Inductor) or names "
+                         f"among {', '.join(names)}")
     for c in chosen:
         get(c)  # raises with the valid choices
     return [n for n in names if n in chosen]

@@ -1,0 +1,39 @@
+"""passes.compile refuses a selection or option that would silently do nothing, naming the valid
+choices, and compiles for inference whatever the caller's grad mode."""
+
+import pytest
+import torch
+from torch import nn
+
+import passes
+from tests.passes.gate_clients import GateChain
+
+
+@pytest.mark.parametrize("selection", ["", " , ", []])
+def test_an_empty_pass_selection_is_an_error_naming_the_choices(selection):
+    with pytest.raises(ValueError, match=r"no pass selected .*valid: 'all', 'none' \(plain Inductor\) or names among "
+                                         r"mega_mhc, mega_gate"):
+        passes.compile(nn.Linear(4, 4), passes=selection)
+
+
+def test_an_option_value_a_pass_does_not_take_is_an_error_naming_the_valid_values():
+    with pytest.raises(ValueError, match=r"pass 'mega_gate': precision='fast' is not a valid value; valid: "
+                                         r"'ieee', 'tf32x3', 'tf32'"):
+        passes.compile(nn.Linear(4, 4), pass_options={"mega_gate": {"precision": "fast"}})
+    passes.compile(nn.Linear(4, 4), pass_options={"mega_gate": {"precision": "ieee"}})  # a valid one
+
+
+def test_a_module_compiled_with_autograd_on_still_fuses_and_runs_for_inference():
+    # grad mode as a user leaves it (on; the suite's tests run under no_grad): AOT autograd would
+    # otherwise keep the chain's intermediates for a backward, and "is also used outside the gate
+    # chain" would stop the fusion
+    chain = GateChain()
+    u = torch.randn(5, 64, requires_grad=True)
+    torch._dynamo.reset()
+    with torch.enable_grad():
+        fused = passes.compile(chain, passes=["mega_gate"], fullgraph=True)
+        weights, ids = fused(u)
+        assert not weights.requires_grad and torch.is_grad_enabled()
+        want_weights, want_ids = chain(u)
+    assert fused.report.counts() == {"mega_gate": 1}, fused.report.rejections("mega_gate")
+    assert torch.equal(ids, want_ids) and torch.allclose(weights, want_weights, rtol=1e-5, atol=1e-6)
