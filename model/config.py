@@ -21,6 +21,7 @@ Every rule is checked in `validate()`, and an error names the field and the rule
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,8 +100,9 @@ class ModelConfig:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
+        _check_types(self)  # before anything reads a value: "256" or 4.5 is named, not coerced
         for name in ("compress_ratios", "kv_source_layers", "index_source_layers", "engram_layers"):
-            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         validate(self)
 
     # ---- derived structure -------------------------------------------------------------------
@@ -178,6 +180,25 @@ def _check_layer_list(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     if bad:
         _fail(cfg, name, f"layers {bad} lie outside 0..{cfg.n_layers - 1}")
     return layers
+
+
+# the JSON types each field takes (a float field takes an integer too; bool is not an int here)
+_FIELD_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "tuple[int, ...]": (tuple, list)}
+
+
+def _check_types(cfg: ModelConfig) -> None:
+    for f in dataclasses.fields(ModelConfig):
+        kinds = _FIELD_TYPES.get(str(f.type))
+        if kinds is None:
+            continue
+        value = getattr(cfg, f.name)
+        wrong = not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))
+        if not wrong and f.type == "tuple[int, ...]":
+            wrong = not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        if wrong:
+            want = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+                    "tuple[int, ...]": "a list of integers"}[str(f.type)]
+            _fail(cfg, f.name, f"must be {want}, got {value!r} ({type(value).__name__})")
 
 
 def validate(cfg: ModelConfig) -> None:
@@ -334,8 +355,10 @@ _ROPE_SCALING_NAMES = {
 
 def config_from_dict(data: dict, base: ModelConfig | None = None, name: str | None = None) -> ModelConfig:
     """Build a config from our field names or HF-style names; fields not given come from `base`
-    (default: `tiny` widths with the flash structure rules). Keys that are neither are kept in
-    `extra` so a caller can show what was ignored."""
+    (default: `tiny` widths with the flash structure rules). A config in our field names (one
+    without HF's `hidden_size`) must use only them: an unknown key is a ConfigError with the
+    closest valid names. In an HF config.json, keys that are neither ours nor HF names we map are
+    HF's own; they are kept in `extra` so a caller can show what was ignored."""
     base = base or TINY
     ours = {f.name for f in dataclasses.fields(ModelConfig)} - {"extra"}
     changes, ignored = {}, {}
@@ -350,6 +373,12 @@ def config_from_dict(data: dict, base: ModelConfig | None = None, name: str | No
                     changes[_ROPE_SCALING_NAMES[k]] = v
         else:
             ignored[key] = value
+    if ignored and "hidden_size" not in data:
+        key = sorted(ignored)[0]
+        close = difflib.get_close_matches(key, sorted(ours), n=3)
+        raise ConfigError(f"config {name or data.get('name', 'custom')!r}: unknown field {key!r}"
+                          + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
+                          + f" (fields: {', '.join(sorted(ours))}; an HF config.json uses HF's names)")
     if name is not None:
         changes["name"] = name
     for key in ("compress_ratios", "kv_source_layers", "index_source_layers", "engram_layers"):

@@ -1,6 +1,7 @@
 """Config presets, validation rules with named errors, JSON loading, and the published sizes."""
 
 import json
+import re
 
 import pytest
 
@@ -87,3 +88,24 @@ def test_bad_json_is_a_config_error(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({"hidden_size": 250}))
     with pytest.raises(ConfigError, match="dim"):
         load_config(tmp_path / "c.json")
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"dim": "256"}, "dim: must be an integer, got '256' (str)"),
+    ({"n_heads": 4.5}, "n_heads: must be an integer, got 4.5 (float)"),
+    ({"route_norm": 1}, "route_norm: must be true or false, got 1 (int)"),
+    ({"engram_layers": [1, "4"]}, "engram_layers: must be a list of integers, got (1, '4') (tuple)"),
+    ({"score_func": 3}, "score_func: must be a string, got 3 (int)"),
+])
+def test_a_value_of_the_wrong_type_is_named_with_its_field_not_coerced(changes, message):
+    with pytest.raises(ConfigError, match=re.escape(f"config 'x': {message}")):
+        config_from_dict(changes, name="x")
+
+
+def test_an_unknown_field_in_our_names_is_an_error_with_the_closest_names():
+    with pytest.raises(ConfigError, match=r"config 'x': unknown field 'n_head'; did you mean 'n_heads', 'index_heads', "
+                                          r"'engram_heads'\? \(fields: candidate_block_size, "):
+        config_from_dict({"dim": 256, "n_head": 4}, name="x")
+    with pytest.raises(ConfigError, match=r"unknown field 'zzz' \(fields: "):
+        config_from_dict({"zzz": 1}, name="x")
+    assert config_from_dict({"yarn_factor": 16}, name="x").yarn_factor == 16  # an integer for a float field
