@@ -1,39 +1,65 @@
 """The `megafuse` console script: one subcommand per tool, each with examples in --help.
 
-Usage errors exit with status 2 and name the valid choices: an unknown preset (from the config
-loader), an unknown pass (from the registry, through `--passes`), an unknown flag (the tool's
-options, with the closest ones first), a bad choice (argparse lists them).
+Exit status (every tool): 0 success; 1 a check failed (logits beyond --tolerance); 2 a usage or
+configuration error, which names the valid choices: an unknown tool, preset, pass, flag or choice,
+a config rule broken, a request that cannot fit; 3 an internal error (a bug: the message says how
+to get the traceback). Errors and progress go to stderr as `megafuse <tool>: ...`; results to
+stdout.
+
+`megafuse --help` and an unknown tool answer without importing torch: a tool's module (and torch,
+Inductor, Triton) is imported only once the tool is known.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
+import os
 import sys
+import traceback
 
-from model.config import ConfigError
-
-from . import ablate, info, inspect_kernels, run
-from .common import ToolError
-from .output import console
-
+# name -> (module, one line); the module is imported when the tool runs or shows its own --help
 TOOLS = {
-    "info": (info, "parameter counts, cache sizes and the layer role table of a config"),
-    "run": (run, "compile with the passes, prefill + greedy decode, compare with eager"),
-    "ablate": (ablate, "every pass alone, all but each, all and none: matches, kernels, latency, error"),
-    "inspect": (inspect_kernels, "list the fused kernels of a compiled model or layer: pass, spec, source, metadata"),
+    "info": ("tools.info", "parameter counts, cache sizes and the layer role table of a config"),
+    "run": ("tools.run", "compile with the passes, prefill + greedy decode, compare with eager"),
+    "ablate": ("tools.ablate", "every pass alone, all but each, all and none: matches, kernels, latency, error"),
+    "inspect": ("tools.inspect_kernels", "list the fused kernels of a compiled model or layer: pass, spec, source, metadata"),
 }
+EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERNAL = 1, 2, 3
+TRACEBACK_ENV = "MEGAFUSE_TRACEBACK"
+DESCRIPTION = "megafuse: fused DeepSeek-V4.1-Flash through torch.compile"
+EPILOG = (f"exit status: 0 success, {EXIT_CHECK_FAILED} a check failed (e.g. logits beyond --tolerance), "
+          f"{EXIT_USAGE} a usage or configuration error, {EXIT_INTERNAL} an internal error "
+          f"({TRACEBACK_ENV}=1 prints its traceback)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megafuse", description="megafuse: fused DeepSeek-V4.1-Flash through torch.compile")
+def build_parser(tools=TOOLS) -> argparse.ArgumentParser:
+    """The whole command line, with the given tools' subcommands (importing their modules)."""
+    parser = _top_parser()
     sub = parser.add_subparsers(dest="tool", metavar="TOOL", required=True)
-    for name, (module, help_text) in TOOLS.items():
+    for name in tools:
+        module, help_text = importlib.import_module(TOOLS[name][0]), TOOLS[name][1]
         # allow_abbrev=False: a mistyped --no-<pass> is an error, never a silent prefix match
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=module.EXAMPLES,
                            formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
         module.add_arguments(p)
     return parser
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog="megafuse", description=DESCRIPTION, epilog=EPILOG)
+
+
+def _tool_of(argv: list[str]) -> str:
+    """The tool argv names, found without importing any tool: top-level --help and an unknown or
+    missing tool are answered (and exit) here."""
+    parser = _top_parser()
+    sub = parser.add_subparsers(dest="tool", metavar="TOOL", required=True)
+    for name, (_, help_text) in TOOLS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    args, _ = parser.parse_known_args(argv)
+    return args.tool
 
 
 def _unknown_flags(parser: argparse.ArgumentParser, tool: str, extras: list[str]) -> None:
@@ -48,15 +74,25 @@ def _unknown_flags(parser: argparse.ArgumentParser, tool: str, extras: list[str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    tool = _tool_of(argv)
+    parser = build_parser([tool])
     args, extras = parser.parse_known_args(argv)
     if extras:
         _unknown_flags(parser, args.tool, extras)  # exits with status 2
+    from model.config import ConfigError  # (imports torch: only now)
+    from .common import ToolError
     try:
-        return TOOLS[args.tool][0].main(args)
+        return importlib.import_module(TOOLS[tool][0]).main(args)
     except (ConfigError, ToolError, FileNotFoundError) as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
+        print(f"megafuse {tool}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # a bug: one line, and the traceback on request
+        if os.environ.get(TRACEBACK_ENV):
+            traceback.print_exc()
+        print(f"megafuse {tool}: internal error: {type(e).__name__}: {e}\n"
+              f"(a bug in megafuse; {TRACEBACK_ENV}=1 prints the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import os
 import statistics
 import time
 import typing
@@ -102,6 +103,29 @@ def check_sizes(args: argparse.Namespace, **minimums: int) -> None:
 # model, inputs, compile
 # ------------------------------------------------------------------------------------------------
 
+def check_fits(cfg: ModelConfig, args: argparse.Namespace) -> None:
+    """Refuse, before anything is built, a request the model or the machine cannot hold: more
+    positions than the model's maximum (YaRN: yarn_original_max_pos x yarn_factor), or more
+    activation memory than the device has, counting only what a forward must hold at once per
+    position (the n residual streams a few times over in fp32, and the fp32 logits): a lower bound."""
+    positions = args.prompt_len + getattr(args, "decode", 0)
+    max_positions = int(cfg.yarn_original_max_pos * cfg.yarn_factor)
+    if positions > max_positions:
+        raise ToolError(f"--prompt-len + --decode = {positions} positions exceed {cfg.name}'s maximum of "
+                        f"{max_positions} (yarn_original_max_pos {cfg.yarn_original_max_pos} x yarn_factor "
+                        f"{cfg.yarn_factor:g})")
+    per_position = 4 * (4 * cfg.hc_mult * cfg.dim + cfg.vocab_size)
+    need = args.batch * positions * per_position
+    if args.device == "cuda" and torch.cuda.is_available():
+        have = torch.cuda.mem_get_info()[1]
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ToolError(f"--batch {args.batch} x {positions} positions need at least {need / 2**30:,.1f} GiB of "
+                        f"activations ({per_position:,} bytes a position), more than the {have / 2**30:,.1f} GiB "
+                        f"of this {args.device} device: use a smaller --batch or --prompt-len")
+
+
 def load_model(args: argparse.Namespace) -> tuple[ModelConfig, Transformer]:
     """The model `--config` names (preset, JSON, checkpoint directory), with --dtype/--quant applied."""
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -109,6 +133,7 @@ def load_model(args: argparse.Namespace) -> tuple[ModelConfig, Transformer]:
     cfg = resolve_config(args.config)
     overrides = {k: v for k, v in (("dtype", args.dtype), ("quant", args.quant)) if v}
     cfg = cfg.replace(**overrides) if overrides else cfg
+    check_fits(cfg, args)
     with step(f"building {cfg.name} ({cfg.dtype}, quant={cfg.quant}) on {args.device}", quiet=True):
         if Path(args.config).is_dir():
             model = load_checkpoint(args.config, device=args.device, cfg=cfg)

@@ -2,6 +2,9 @@
 valid choices (exit status 2), pass flags generated from the registry. Nothing here compiles."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,7 +38,9 @@ def test_help_has_examples(tool, capsys):
 @pytest.mark.parametrize("tool", ["info", *COMPILE_TOOLS])
 def test_unknown_preset_is_an_error_listing_the_presets(tool, capsys):
     assert main([tool, "--config", "huge"]) == 2
-    assert "tiny, proxy, flash" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"megafuse {tool}: error: ") and "tiny, proxy, flash" in captured.err
+    assert captured.out == ""  # stdout stays the results' (--json - | jq)
 
 
 @pytest.mark.parametrize("tool", COMPILE_TOOLS)
@@ -66,9 +71,9 @@ def test_bad_choice_lists_the_choices(capsys):
 
 def test_usage_errors_found_after_parsing_exit_2(capsys):
     assert main(["run", "--config", "tiny", "--prompt-len", "0"]) == 2
-    assert "--prompt-len must be >= 1" in capsys.readouterr().out
+    assert "--prompt-len must be >= 1" in capsys.readouterr().err
     assert main(["inspect", "--config", "tiny", "--layer", "12"]) == 2
-    assert "layers 0..11" in capsys.readouterr().out
+    assert "layers 0..11" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, enabled", [
@@ -121,3 +126,42 @@ def test_ablation_configurations_are_deduplicated_by_pass_set(swept, rows):
             assert set(_meaning(n, swept)) == set(c["passes"]), n
     if swept == ["a", "b"]:
         assert [c["names"] for c in configs] == [["none"], ["only a", "all but b"], ["only b", "all but a"], ["all"]]
+
+
+def test_an_internal_error_exits_3_with_one_line_and_the_traceback_on_request(monkeypatch, capsys):
+    from tools import info
+
+    def broken(args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(info, "main", broken)
+    assert main(["info", "--config", "tiny"]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("megafuse info: internal error: RuntimeError: boom\n") and "Traceback" not in err
+    monkeypatch.setenv("MEGAFUSE_TRACEBACK", "1")
+    assert main(["info", "--config", "tiny"]) == 3
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_help_and_an_unknown_tool_answer_without_importing_torch():
+    # a fresh interpreter: `megafuse --help` and `megafuse nosuch` must not import torch (seconds on
+    # a small machine)
+    code = ("import sys, contextlib, io\nfrom tools.cli import main\n"
+            "for argv in (['--help'], ['nosuch']):\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()), "
+            "contextlib.redirect_stderr(io.StringIO()):\n        main(argv)\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-len", "1100000"], "megafuse run: error: --prompt-len + --decode = 1100008 positions exceed tiny's "
+                                  "maximum of 1048576 (yarn_original_max_pos 65536 x yarn_factor 16)"),
+    (["--batch", "100000000"], "megafuse run: error: --batch 100000000 x 16 positions need at least 30,517.6 GiB of "
+                               "activations (20,480 bytes a position), more than the "),
+])
+def test_a_request_that_cannot_fit_is_refused_up_front_with_the_limit(argv, message, capsys):
+    assert main(["run", "--config", "tiny", *argv]) == 2
+    assert capsys.readouterr().err.startswith(message)

@@ -87,7 +87,7 @@ def test_inspect_one_layer_and_show_a_kernel(cached_compiles, capsys):
     assert gate["name"] in captured.err and "@triton.jit" in captured.err  # --show, on stderr beside --json -
 
     assert main(["inspect", "--config", "tiny", "--layer", "2", "--show", "nope"]) == 2
-    assert "valid kernels: " in (out := capsys.readouterr().out) and gate["name"] in out
+    assert "valid kernels: " in (err := capsys.readouterr().err) and gate["name"] in err
 
 
 def test_device_times_pair_launches_with_their_kernels():
