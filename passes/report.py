@@ -8,9 +8,13 @@ the tools print. Tests assert exact counts from it ("one gate per MoE layer").
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from rich.table import Table
+
+# an FX node name in a reason: a lower-case op name with Inductor's counter (mm_6, sum_1024, getitem_3)
+_NODE_NAME = re.compile(r"\b[a-z][a-z_]*_\d+\b")
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
@@ -111,6 +115,13 @@ class CompileReport:
             },
         }
 
+    def rejection_reasons(self, pass_name: str) -> list[tuple[str, int]]:
+        """The pass's rejections grouped by reason, most frequent first: FX node names in a reason
+        (`mm_6`, `sum_1024`) read as `<node>`, so the sites rejected for one cause make one row.
+        Each rejection, with its node, stays in `rejections` (and in the JSON)."""
+        counts = Counter(_NODE_NAME.sub("<node>", r.reason) for r in self.rejections(pass_name))
+        return sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+
     def table(self) -> Table:
         cached = sum(g.cached for g in self.graphs)
         notes = [f"{cached} of {len(self.graphs)} graphs from Inductor's cache, with their reports"] if cached else []
@@ -121,7 +132,7 @@ class CompileReport:
         for col in ("pass", "matches", "rejected", "time (ms)", "rejection reasons"):
             table.add_column(col)
         for name in self.pass_names:
-            reasons = sorted({r.reason for r in self.rejections(name)})
+            reasons = [f"{reason} (x{count})" if count > 1 else reason for reason, count in self.rejection_reasons(name)]
             table.add_row(name, str(len(self.matches(name))), str(len(self.rejections(name))),
-                          f"{sum(p.time_s for p in self._all(name)) * 1e3:.1f}", "; ".join(reasons) or "-")
+                          f"{sum(p.time_s for p in self._all(name)) * 1e3:.1f}", "\n".join(reasons) or "-")
         return table
