@@ -35,7 +35,8 @@ def get(name: str) -> type[FusionPass]:
 
 
 def resolve(selection) -> list[str]:
-    """'all' | 'none' | a list (or comma-separated string) of names -> names in registry order."""
+    """'all' | 'none' | a list (or comma-separated string) of names -> names in registry order. An
+    empty string is an error (say 'none'); an empty list, as a program builds it, selects none."""
     names = available()
     if selection in ("all", None):
         return names
@@ -43,7 +44,7 @@ def resolve(selection) -> list[str]:
         return []
     chosen = selection.split(",") if isinstance(selection, str) else list(selection)
     chosen = [c.strip() for c in chosen if c.strip()]
-    if not chosen:  # an empty selection is a slip, not a request for the baseline
+    if not chosen and isinstance(selection, str):  # "" or " , ": a slip, not a request for the baseline ("none")
         raise ValueError(f"no pass selected ({selection!r}); valid: 'all', 'none' (plain Inductor) or names "
                          f"among {', '.join(names)}")
     for c in chosen:

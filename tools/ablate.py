@@ -12,7 +12,9 @@ a" is "all but b"). For each row, on the same random prompt [B, T]:
                  replayed (CUDA events, median of --repeat replays; falls back to timed launches
                  if capture fails, and says so); on CPU wall clock, median of --repeat calls,
                  indicative only (Triton kernels run in the interpreter there)
-    speed-up     step latency of the no-pass row / this row's
+    speed-up     step latency of the no-pass row / this row's, shown (and drawn) only where it is
+                 resolved: at least MIN_RUNS forwards each and the two rows' step times (min..max)
+                 do not overlap; otherwise "unresolved"
     error        logits against eager on the same prompt: max abs, cosine, top-1 agreement
 
 Output: a rich table, `--json PATH` and a PNG bar chart of speed-up vs no passes (`--png`).
@@ -33,7 +35,8 @@ JSON, schema "megafuse.ablate/1":
                       report: CompileReport.to_dict(),
                       kernels_per_forward: float, kernels: {inductor, megafuse, other: float},
                       compile_s: float, step_s: float, step_times_s: [float], step_method: str,
-                      speedup_vs_none: float | null,
+                      step_spread_s: [min, max], speedup_vs_none: float | null,
+                      speedup_resolved: bool   (>= MIN_RUNS forwards; this row's and none's spreads apart)
                       error: {positions, max_abs, cosine_min, cosine_mean, top1_agreement, finite}}]
     png             str | null
     environment     {date, python, torch, triton, device}
@@ -62,6 +65,9 @@ EXAMPLES = """examples:
 With n passes there are up to 2n + 2 configurations; each is a full compile (about 1.5 minutes for
 tiny on CPU).
 """
+
+
+MIN_RUNS = 3  # forwards per row before a speed-up can be called resolved
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,9 +173,14 @@ def _main(args: argparse.Namespace) -> int:
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    base = next(r for r in rows if not r["passes"])["step_s"]
+    none = next(r for r in rows if not r["passes"])
+    base = none["step_s"]
     for row in rows:
+        row["step_spread_s"] = [min(row["step_times_s"]), max(row["step_times_s"])]
         row["speedup_vs_none"] = base / row["step_s"] if base and row["step_s"] else None
+    for row in rows:
+        apart = row["step_spread_s"][1] < none["step_spread_s"][0] or row["step_spread_s"][0] > none["step_spread_s"][1]
+        row["speedup_resolved"] = row is not none and repeat >= MIN_RUNS and apart
 
     png = args.png or f"ablate_{cfg.name}.png"
     result = {
@@ -206,25 +217,30 @@ def _table(result: dict) -> Table:
     table.add_column("configuration", no_wrap=True)
     for name in result["passes"]:
         table.add_column(name, justify="right", no_wrap=True)
-    for col in ("kernels\n/forward", "step\n(ms)", "speed-up\nvs none", "max |err|\nvs eager", "top-1\nagree"):
+    for col in ("kernels\n/forward", "step (ms)\nmedian [min-max]", "speed-up\nvs none", "max |err|\nvs eager",
+                "top-1\nagree"):
         table.add_column(col, justify="right")
     for row in result["rows"]:
         cells = [str(row["matches"][p]) if p in row["matches"] else "-" for p in result["passes"]]
-        speedup = row["speedup_vs_none"]
-        table.add_row("\n".join(row["names"]), *cells, f"{row['kernels_per_forward']:g}", f"{row['step_s'] * 1e3:.2f}",
-                      _speedup(speedup), f"{row['error']['max_abs']:.1e}",
+        low, high = row["step_spread_s"]
+        step_ms = f"{row['step_s'] * 1e3:.2f} [{low * 1e3:.2f}-{high * 1e3:.2f}]"
+        speedup = _speedup(row["speedup_vs_none"]) if row["speedup_resolved"] or not row["passes"] else "unresolved"
+        table.add_row("\n".join(row["names"]), *cells, f"{row['kernels_per_forward']:g}", step_ms,
+                      speedup, f"{row['error']['max_abs']:.1e}",
                       f"{row['error']['top1_agreement'] * 100:.0f}%")
     return table
 
 
 def _chart(result: dict, path: str) -> None:
-    """Horizontal bars of speed-up vs no passes, one per row (matplotlib, Agg canvas: no display)."""
+    """Horizontal bars of speed-up vs no passes, one per row (matplotlib, Agg canvas: no display);
+    a row whose speed-up is not resolved gets no bar, and says so."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     rows = result["rows"]
     labels = [" = ".join(r["names"]) for r in rows]
-    speedups = [r["speedup_vs_none"] or 0.0 for r in rows]
+    shown = [not r["passes"] or r["speedup_resolved"] for r in rows]
+    speedups = [(r["speedup_vs_none"] or 0.0) if ok else 0.0 for r, ok in zip(rows, shown)]
     fig = Figure(figsize=(8, 1.2 + 0.55 * len(rows)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -233,9 +249,11 @@ def _chart(result: dict, path: str) -> None:
     ax.set_yticks(range(len(rows)), labels)
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
-    for bar, value, row in zip(bars, speedups, rows):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {_speedup(value)}  ({row['step_s'] * 1e3:.2f} ms)",
-                va="center", fontsize=8)
+    for bar, value, row, ok in zip(bars, speedups, rows, shown):
+        low, high = (t * 1e3 for t in row["step_spread_s"])
+        label = _speedup(value) if ok else f"unresolved (fewer than {MIN_RUNS} runs, or within the spread of none)"
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                f" {label}  ({row['step_s'] * 1e3:.2f} ms, {low:.2f}-{high:.2f})", va="center", fontsize=8)
     ax.set_xlim(0, max(speedups + [1.0]) * 1.35)
     ax.set_xlabel("speed-up vs no passes (step latency of one forward; higher is better)")
     note = ("CPU wall clock, indicative: fused kernels run in the Triton interpreter"

@@ -14,7 +14,7 @@ from tools.common import LayerHarness
 ABLATE_KEYS = {"schema", "config", "dtype", "quant", "device", "target", "compared", "batch", "tokens", "seed",
                "repeat", "passes", "timing", "kernel_count", "configurations", "rows", "png", "environment"}
 ROW_KEYS = {"names", "passes", "matches", "report", "kernels_per_forward", "kernels", "compile_s", "step_s",
-            "step_times_s", "step_method", "speedup_vs_none", "error"}
+            "step_times_s", "step_method", "step_spread_s", "speedup_vs_none", "speedup_resolved", "error"}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,7 @@ def test_ablate_has_one_row_per_configuration_with_counts_from_the_report(ablati
         assert row["kernels_per_forward"] == sum(row["kernels"].values()) > 0
         assert row["error"]["max_abs"] < 1e-3 and row["error"]["finite"]
         assert row["step_s"] > 0 and len(row["step_times_s"]) == 1
+        assert row["step_spread_s"] == [row["step_s"]] * 2 and not row["speedup_resolved"]  # one run resolves nothing
     none, every = rows[r["configurations"]["none"]], rows[r["configurations"]["all"]]
     assert none["matches"] == {} and none["speedup_vs_none"] == 1.0
     assert every["matches"]["mega_gate"] == 1 and sum(every["matches"].values()) >= 2
@@ -64,3 +65,4 @@ def test_ablate_has_one_row_per_configuration_with_counts_from_the_report(ablati
     assert image.shape[0] > 200 and image.shape[1] > 400 and image.std() > 0.05
     printed = capsys.readouterr().out
     assert "megafuse ablate" in printed and "all but mega_gate" in printed and f"wrote {png}" in printed
+    assert "unresolved" in printed
