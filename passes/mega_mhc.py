@@ -196,6 +196,11 @@ class MegaMhcPass(FusionPass):
         try:
             collapse = match_collapse(stream, "the post's stream")
         except NoMatch as e:
+            if stream is not add[0] and not heads and collapse_cores(add[0]):
+                # a collapse reads X' before its rounding: another function than the seam's (and the
+                # graph torch 2.11's Inductor makes of a bf16 round trip: tests/passes/cuda_forms.py)
+                raise NoMatch(f"the collapse reads X' unrounded ({str(dtype(add[0])).removeprefix('torch.')}), where "
+                              f"the seam rounds X' to {str(dtype(stream)).removeprefix('torch.')} first") from None
             if heads or not collapse_cores(stream):  # (a seam: its head's anchor reports it)
                 raise NoMatch("the post's stream is not collapsed here", candidate=False) from None
             raise NoMatch(e.reason if post_reason is None else f"{post_reason}; {e.reason}") from None

@@ -14,7 +14,7 @@ from torch._inductor import config as inductor_config
 from model import build_model, preset
 from model.layers import RMSNorm
 from model.mhc import HyperConnection, hc_post, hc_pre
-from tests.passes.cuda_forms import CUDA_FORMS
+from tests.passes.cuda_forms import CUDA_FORMS, TORCH_2_11_FORMS
 from tests.passes.online_softmax import ONLINE_SOFTMAX
 from tests.passes.post_grad import fuse
 from tests.passes.tiny import compile_tiny
@@ -88,6 +88,20 @@ def test_every_seam_form_matches_and_equals_the_chain(tmp_path, form, dtype, sof
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for got, want in zip(out, ref):
         assert _rel(got, want) <= tol
+
+
+def test_a_final_collapse_of_unrounded_streams_is_refused_with_the_reason_not_silently():
+    # torch 2.11's Inductor drops the bf16 round trips of X' and of c (TORCH_2_11_FORMS): the
+    # collapse then reads X' in fp32, another function than the seam's; the report says so
+    module, args = Seam("final", torch.bfloat16), _inputs(5, torch.bfloat16)
+    torch._dynamo.reset()
+    fused = passes.compile(module, passes=["mega_mhc"], fullgraph=True, options=dict(TORCH_2_11_FORMS))
+    out = fused(*args)
+    assert fused.report.counts() == {"mega_mhc": 0}
+    assert [r.reason for r in fused.report.rejections("mega_mhc")] == [
+        "the collapse reads X' unrounded (float32), where the seam rounds X' to bfloat16 first"]
+    for got, want in zip(out, module(*args)):
+        assert _rel(got, want) <= 1e-2
 
 
 def test_a_chain_whose_readers_take_another_dtype_stays_unfused_with_the_reason(monkeypatch):
