@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -11,6 +13,10 @@ from torch import nn
 
 from .manager import PassManager
 from .report import CompileReport, GraphReport
+
+# Progress of a compile, at INFO: each graph Dynamo hands over, what the passes did to it, how long
+# Inductor took. Logged under megafuse.* (the tools show it on stderr when their output is a log).
+log = logging.getLogger("megafuse.compile")
 
 
 class FusedModule(nn.Module):
@@ -87,8 +93,12 @@ class _InductorWithReports(torch._TorchCompileInductorWrapper):
 
     def __call__(self, graph, example_inputs, **kwargs):
         report = self.manager.report
-        before = len(report.graphs)
+        before, start = len(report.graphs), time.perf_counter()
+        log.info("graph %d: %d FX nodes from Dynamo; AOT autograd, the passes and Inductor's codegen next",
+                 before + report.unreported, len(graph.graph.nodes))
         compiled = super().__call__(graph, example_inputs, **kwargs)
+        log.info("graph %d: compiled in %.1f s (%s)", before + report.unreported, time.perf_counter() - start,
+                 "the passes ran" if len(report.graphs) > before else "from Inductor's cache")
         stored = _report_dir() / f"{self._key(graph, example_inputs)}.json"
         if len(report.graphs) > before:  # the passes ran
             stored.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from . import registry
 from .report import CompileReport, GraphReport
 
+
+log = logging.getLogger("megafuse.passes")
 
 class PassManager(CustomGraphPass):
     def __init__(self, passes="all", *, options: dict | None = None, dump_dir: str | Path | None = None,
@@ -40,6 +43,8 @@ class PassManager(CustomGraphPass):
             self._dump(graph, index, fusion_pass.name, "before")
             pass_report = fusion_pass.run(graph)
             graph_report.passes.append(pass_report)
+            log.info("graph %d: %s: %d matched, %d rejected in %.2f s", index, fusion_pass.name,
+                     len(pass_report.matches), len(pass_report.rejections), pass_report.time_s)
             self._dump(graph, index, fusion_pass.name, "after")
             for node in self.debug_nodes & set(pass_report.decisions):
                 print(f"[megafuse debug] {fusion_pass.name} at {node}: {pass_report.decisions[node]}", file=sys.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import logging
 import os
 import sys
 import traceback
@@ -73,9 +74,21 @@ def _unknown_flags(parser: argparse.ArgumentParser, tool: str, extras: list[str]
     sub.error(f"unrecognized arguments: {' '.join(extras)}{hint}\nvalid options: {', '.join(options)}")
 
 
+def _log_progress(tool: str) -> None:
+    """The megafuse.* log (each graph's passes and compile time) as `megafuse <tool>: ...` lines on
+    stderr where stderr is a log, not a terminal (there the spinner shows the progress)."""
+    logger = logging.getLogger("megafuse")
+    if not logger.handlers and not sys.stderr.isatty():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"megafuse {tool}: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     tool = _tool_of(argv)
+    _log_progress(tool)
     parser = build_parser([tool])
     args, extras = parser.parse_known_args(argv)
     if extras:

@@ -40,7 +40,7 @@ from model.checkpoint import load_checkpoint
 from model.config import DTYPES, QUANT_MODES, ModelConfig, resolve_config
 from model.transformer import Transformer, build_model
 
-from .output import console
+from .output import console, progress_console
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO_ROOT / "model"
@@ -168,19 +168,19 @@ def reset_compiler() -> None:
 @contextlib.contextmanager
 def step(message: str, quiet: bool = False):
     """Show `message` with a spinner and the elapsed time while the block runs; then print how
-    long it took (unless quiet). The printed lines are the progress a log keeps."""
+    long it took (unless quiet), on stderr. The printed lines are the progress a log keeps."""
     if not quiet:
-        console.print(f"[bold]{message}[/bold] ...")
+        progress_console.print(f"[bold]{message}[/bold] ...")
     start = time.perf_counter()
-    if console.is_terminal:
+    if progress_console.is_terminal:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
+                      console=progress_console, transient=True) as progress:
             progress.add_task(message, total=None)
             yield
     else:  # a log: the lines before and after are the progress
         yield
     if not quiet:
-        console.print(f"  done in {time.perf_counter() - start:.1f} s")
+        progress_console.print(f"  done in {time.perf_counter() - start:.1f} s")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from rich.console import Console
 
 # Tables are wide: a log or a pipe (no terminal, no COLUMNS) gets 120 columns rather than rich's 80.
 console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)
+# Progress (tools.common.step) and the megafuse.* log go to stderr: stdout keeps the results.
+progress_console = Console(stderr=True, width=None if sys.stderr.isatty() or os.environ.get("COLUMNS") else 120)
 
 
 def environment() -> dict:

@@ -53,7 +53,8 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_c
     for side in ("eager", "compiled"):
         assert TIMING_KEYS <= set(timing[side]) and len(timing[side]["step_s"]) == 2
         assert timing[side]["ttft_s"] > 0 and timing[side]["tokens_per_s"] > 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out + captured.err  # results on stdout, progress ("compiling ...") on stderr
     for words in ("megafuse passes", "compiled vs eager logits", "step 2", "TTFT", "PASS", "compiling the sequence graph"):
         assert words in printed
 

@@ -1,5 +1,9 @@
-"""passes.compile refuses a selection or option that would silently do nothing, naming the valid
-choices, and compiles for inference whatever the caller's grad mode."""
+"""passes.compile: selections and options that would silently do nothing are errors naming the valid
+choices; it compiles for inference whatever the caller's grad mode; it logs its progress under
+megafuse.*."""
+
+import logging
+import re
 
 import pytest
 import torch
@@ -37,3 +41,15 @@ def test_a_module_compiled_with_autograd_on_still_fuses_and_runs_for_inference()
         want_weights, want_ids = chain(u)
     assert fused.report.counts() == {"mega_gate": 1}, fused.report.rejections("mega_gate")
     assert torch.equal(ids, want_ids) and torch.allclose(weights, want_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compile_logs_each_graph_and_what_the_passes_did_under_megafuse(caplog):
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="megafuse"):
+        fused = passes.compile(GateChain(), passes=["mega_gate"], fullgraph=True, options={"fx_graph_cache": False})
+        fused(torch.randn(5, 64))
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("megafuse.")]
+    assert re.fullmatch(r"graph 0: \d+ FX nodes from Dynamo; AOT autograd, the passes and Inductor's codegen next",
+                        messages[0]), messages
+    assert re.fullmatch(r"graph 0: mega_gate: 1 matched, 0 rejected in \d+\.\d\d s", messages[1]), messages
+    assert re.fullmatch(r"graph 0: compiled in \d+\.\d s \(the passes ran\)", messages[2]), messages
