@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if extras:
         _unknown_flags(parser, args.tool, extras)  # exits with status 2
     from model.config import ConfigError  # (imports torch: only now)
-    from .common import ToolError
+    from .output import ToolError
     try:
         return importlib.import_module(TOOLS[tool][0]).main(args)
     except (ConfigError, ToolError, FileNotFoundError) as e:

@@ -40,16 +40,11 @@ from model.checkpoint import load_checkpoint
 from model.config import DTYPES, QUANT_MODES, ModelConfig, resolve_config
 from model.transformer import Transformer, build_model
 
-from .output import console, progress_console
+from .output import ToolError, console, progress_console  # noqa: F401  (ToolError: the tools raise it from here)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO_ROOT / "model"
 PAD_ID = 0  # what fills the positions of a static sequence graph that are not yet decoded
-
-
-class ToolError(Exception):
-    """A usage error found after parsing (no CUDA, a layer out of range, an unknown kernel name):
-    the command line prints it and exits with status 2, like argparse."""
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -11,7 +12,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 from rich.console import Console
 
 # Tables are wide: a log or a pipe (no terminal, no COLUMNS) gets 120 columns rather than rich's 80.
@@ -20,12 +20,26 @@ console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS")
 progress_console = Console(stderr=True, width=None if sys.stderr.isatty() or os.environ.get("COLUMNS") else 120)
 
 
+def _triton_version() -> str:
+    """Without importing Triton where its distribution says (`info` imports none of the compiler)."""
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:  # another distribution name (e.g. pytorch-triton)
+        import triton
+        return triton.__version__
+
+
+class ToolError(Exception):
+    """A usage error found after parsing (no CUDA, a layer out of range, an unknown kernel name):
+    the command line prints it and exits with status 2, like argparse."""
+
+
 def environment() -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": _triton_version(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
     }
 
