@@ -74,12 +74,25 @@ def _unknown_flags(parser: argparse.ArgumentParser, tool: str, extras: list[str]
     sub.error(f"unrecognized arguments: {' '.join(extras)}{hint}\nvalid options: {', '.join(options)}")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever sys.stderr is when a record comes, not the stream of the first
+    call (main() runs many times in one process under tests, each with its own captured stderr)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
 def _log_progress(tool: str) -> None:
     """The megafuse.* log (each graph's passes and compile time) as `megafuse <tool>: ...` lines on
     stderr where stderr is a log, not a terminal (there the spinner shows the progress)."""
     logger = logging.getLogger("megafuse")
     if not logger.handlers and not sys.stderr.isatty():
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(f"megafuse {tool}: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
