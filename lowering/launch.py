@@ -21,6 +21,12 @@ import torch
 from torch._C._dynamo.guards import _empty_strided_cuda  # as Inductor's generated wrappers import it
 
 
+# Compiler options every generated kernel launches with. FP fusion (a*b+c as one FMA) is what Triton
+# has always compiled and what the kernels' tolerances were measured with; Triton 3.9 warns that its
+# default will flip, so the choice is stated rather than inherited.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
+
 def layout_key(*tensors) -> tuple:
     """What Triton's specialisation and the launchers' input checks read of each tensor (None stays None)."""
     return tuple([None if t is None else (t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16 == 0)

@@ -85,10 +85,10 @@ from pathlib import Path
 import torch
 import triton.language  # noqa: F401  (import Triton before any kernel module: see kernel_cache)
 
-from model.moe import route
+from megafuse.model.moe import route
 
 from . import kernel_cache
-from .launch import PreparedLaunches, device_key, empty, layout_key
+from .launch import COMPILE_OPTIONS, PreparedLaunches, device_key, empty, layout_key
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -791,7 +791,7 @@ def mega_gate(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         N_E_CHUNKS=n_e_chunks, N_D_SPLITS=n_d_splits, MASK_D=spec.hidden % cfg.d_per_split != 0,
         EPI_ROWS=cfg.epi_rows, CLAIM_JOBS=grid[0] > _num_sms(device), INTERPRETED=interpret,
         MAX_SPINS=1 << 10 if interpret else 1 << 22,  # only a corrupted sync state spins that long
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS)
     kernel = load(spec, interpret=interpret)
     on_device = contextlib.nullcontext() if interpret else torch.cuda.device(device)
     with on_device:  # Triton launches on the current device

@@ -41,7 +41,7 @@ HOPPER_SMEM_PER_BLOCK = 227 * 1024  # the opt-in maximum of dynamic shared memor
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
                  torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The compiler: a pass manager for Inductor, the pass registry and one file per fusion pass.
 
-    import passes
+    from megafuse import passes
     fused = passes.compile(model, passes="all")     # or "none", or ["mega_gate"]
     logits = fused(ids)
     print(fused.report.counts())                    # {"mega_gate": 12}

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from lowering import mega_gate as gate_kernels
+from megafuse.lowering import mega_gate as gate_kernels
 
 from . import ops
 from .base import Candidate, FusionPass, NoMatch

@@ -67,7 +67,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
-from lowering import mega_mhc as mhc_kernels
+from megafuse.lowering import mega_mhc as mhc_kernels
 
 from .base import Candidate, FusionPass, NoMatch
 from .graph import aten, dtype, frozen_value, is_convert, is_op, new_constant, only_users_in, prims, rank, val

@@ -18,8 +18,8 @@ import functools
 import torch
 from torch._inductor.lowering import fallback_handler, register_lowering
 
-from lowering import mega_gate as gate_kernels
-from lowering import mega_mhc as mhc_kernels
+from megafuse.lowering import mega_gate as gate_kernels
+from megafuse.lowering import mega_mhc as mhc_kernels
 
 
 # The kernel ops run once per layer and step in compiled code, so they are registered with the

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from model import build_model, preset
+from megafuse.model import build_model, preset
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """H200 benchmark through the compiler: what a user gets when `passes.compile` fuses their chain.
 
-    python3 -m tools.bench_compiled --out results/compiled/bench.json [--ops mhc,gate] [--tokens 1,64]
-    python3 -m tools.bench_compiled --dry-run     # CPU: toy widths, the checks of 1. only, no timings
+    python3 -m megafuse.tools.bench_compiled --out results/compiled/bench.json [--ops mhc,gate] [--tokens 1,64]
+    python3 -m megafuse.tools.bench_compiled --dry-run     # CPU: toy widths, the checks of 1. only, no timings
 
 The kernel benchmarks (tools.bench_mhc, tools.bench_gate) time a kernel on inputs they build. Here
 each chain is written as plain torch, the way a reader of MODEL.md writes it (V4.1 widths), and
@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import passes
-from tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, require_cuda, time_graph_us
+from megafuse import passes
+from megafuse.tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, require_cuda, time_graph_us
 
 TOKENS = (1, 64, 512, 4096)
 HC, DIM, EXPERTS, TOP_K, SINKHORN_ITERS = 4, 5120, 384, 6, 20
@@ -122,10 +122,10 @@ CHAINS = {"mhc": "mega_mhc", "gate": "mega_gate"}  # op -> its pass
 def floor_us(op: str, T: int) -> float:
     """The chain's memory floor at V4.1 widths: its compulsory HBM bytes / HBM bandwidth."""
     if op == "mhc":
-        from tools.bench_mhc import V41, seam_bytes
+        from megafuse.tools.bench_mhc import V41, seam_bytes
         nbytes = seam_bytes(T, V41)
     else:
-        from tools.bench_gate import V4, gate_bytes
+        from megafuse.tools.bench_gate import V4, gate_bytes
         nbytes = gate_bytes(V4, T)
     return nbytes / HBM_BYTES_PER_S * 1e6
 
@@ -154,7 +154,7 @@ def _fused_op_call(fused_module, op: str, args):
     """The fused op alone, called with the arguments the compiled graph gave the lowering's
     launcher on one call of the chain (recorded there): (graph us, back-to-back us)."""
     import importlib
-    lowering = importlib.import_module(f"lowering.mega_{op}")
+    lowering = importlib.import_module(f"megafuse.lowering.mega_{op}")
     launcher, seen = getattr(lowering, f"mega_{op}"), []
 
     def record(*a, **kw):
@@ -222,7 +222,7 @@ def bench_chain(op: str, T: int, log, dry_run: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m tools.bench_compiled", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 -m megafuse.tools.bench_compiled", description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="the results JSON (default results/compiled/bench.json)")
     ap.add_argument("--ops", default="mhc,gate", help="comma-separated: mhc, gate")
     ap.add_argument("--tokens", help=f"comma-separated token counts (default {','.join(map(str, TOKENS))}; "

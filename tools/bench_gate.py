@@ -1,6 +1,6 @@
 """H200 benchmark of the fused Mega-Gate kernel (lowering/mega_gate.py) against plain torch.
 
-    python3 -m tools.bench_gate --out results/mega_gate/bench.json [--sweep] [--dry-run]
+    python3 -m megafuse.tools.bench_gate --out results/mega_gate/bench.json [--sweep] [--dry-run]
 
 V4.1-Flash router: D=5120, E=384, k=6, sqrtsoftplus, selection bias, renorm (eps 1e-20), x1.5, fp32
 gate weight, fp32 u (the model feeds u.float()); T in {1, 64, 512, 4096}. For each T:
@@ -35,10 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
-from lowering import mega_gate as mg
-from lowering.mega_gate import GateSpec, LaunchConfig
-from model.moe import route, score
+from megafuse.tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
+from megafuse.lowering import mega_gate as mg
+from megafuse.lowering.mega_gate import GateSpec, LaunchConfig
+from megafuse.model.moe import route, score
 
 LAUNCH_FLOOR_US = 4.0
 TIE_TOL = 2e-5  # |choice| is O(1); 3xTF32 vs cuBLAS fp32 logits differ by ~1e-6

@@ -1,7 +1,7 @@
 """H200 benchmark of the fused Mega-mHC kernel (lowering/mega_mhc/) against plain torch.
 
-    python3 -m tools.bench_mhc --out results/mega_mhc/bench.json [--sweep] [--trace] [--dry-run] [--tokens 1,64]
-    python3 -m tools.bench_mhc --leave-out --out results/mega_mhc/leave_out.json [--tokens 64,512,4096]
+    python3 -m megafuse.tools.bench_mhc --out results/mega_mhc/bench.json [--sweep] [--trace] [--dry-run] [--tokens 1,64]
+    python3 -m megafuse.tools.bench_mhc --leave-out --out results/mega_mhc/leave_out.json [--tokens 64,512,4096]
 
 V4.1-Flash seam: D=5120, n=4, bf16 streams, the delayed form (post + coefficients + carried pre +
 RMSNorm), 20 Sinkhorn iterations, eps 1e-6 / 1e-20; T in {1, 64, 512, 4096}. In one run:
@@ -50,11 +50,11 @@ import time
 import torch
 import triton
 
-from tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
-from tools.common import median
-from lowering import mega_mhc as mm
-from lowering.mega_mhc import LaunchConfig, MhcSpec
-from model.mhc import sinkhorn
+from megafuse.tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
+from megafuse.tools.common import median
+from megafuse.lowering import mega_mhc as mm
+from megafuse.lowering.mega_mhc import LaunchConfig, MhcSpec
+from megafuse.model.mhc import sinkhorn
 
 LAUNCH_FLOOR_US = 4.0
 TOKENS = (1, 64, 512, 4096)

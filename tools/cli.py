@@ -22,10 +22,10 @@ import traceback
 
 # name -> (module, one line); the module is imported when the tool runs or shows its own --help
 TOOLS = {
-    "info": ("tools.info", "parameter counts, cache sizes and the layer role table of a config"),
-    "run": ("tools.run", "compile with the passes, prefill + greedy decode, compare with eager"),
-    "ablate": ("tools.ablate", "every pass alone, all but each, all and none: matches, kernels, latency, error"),
-    "inspect": ("tools.inspect_kernels", "list the fused kernels of a compiled model or layer: pass, spec, source, metadata"),
+    "info": ("megafuse.tools.info", "parameter counts, cache sizes and the layer role table of a config"),
+    "run": ("megafuse.tools.run", "compile with the passes, prefill + greedy decode, compare with eager"),
+    "ablate": ("megafuse.tools.ablate", "every pass alone, all but each, all and none: matches, kernels, latency, error"),
+    "inspect": ("megafuse.tools.inspect_kernels", "list the fused kernels of a compiled model or layer: pass, spec, source, metadata"),
 }
 EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERNAL = 1, 2, 3
 TRACEBACK_ENV = "MEGAFUSE_TRACEBACK"
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extras = parser.parse_known_args(argv)
     if extras:
         _unknown_flags(parser, args.tool, extras)  # exits with status 2
-    from model.config import ConfigError  # (imports torch: only now)
+    from megafuse.model.config import ConfigError  # (imports torch: only now)
     from .output import ToolError
     try:
         return importlib.import_module(TOOLS[tool][0]).main(args)

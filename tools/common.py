@@ -27,6 +27,8 @@ import dataclasses
 import importlib
 import os
 import statistics
+import sys
+import tempfile
 import time
 import typing
 from pathlib import Path
@@ -35,10 +37,10 @@ import torch
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from torch import nn
 
-import passes
-from model.checkpoint import load_checkpoint
-from model.config import DTYPES, QUANT_MODES, ModelConfig, resolve_config
-from model.transformer import Transformer, build_model
+from megafuse import passes
+from megafuse.model.checkpoint import load_checkpoint
+from megafuse.model.config import DTYPES, QUANT_MODES, ModelConfig, resolve_config
+from megafuse.model.transformer import Transformer, build_model
 
 from .output import ToolError, console, progress_console  # noqa: F401  (ToolError: the tools raise it from here)
 
@@ -258,7 +260,7 @@ def lowering_module(op: str):
     """`megafuse::<name>` -> the module `lowering.<name>` (None when there is none)."""
     name = op.split("::", 1)[-1]
     try:
-        return importlib.import_module(f"lowering.{name}")
+        return importlib.import_module(f"megafuse.lowering.{name}")
     except ModuleNotFoundError:
         return None
 
@@ -363,15 +365,43 @@ KERNEL_COUNT_METHOD = {
 }
 
 
+# What libkineto writes to file descriptor 2 when a profile starts and stops ("USDT: ...
+# profiler_start", "STAGE: ... Completed Stage: Warm Up"), with no switch to turn it off.
+_PROFILER_CHATTER = ("USDT:", "STAGE:")
+
+
+@contextlib.contextmanager
+def profiling(activities: list):
+    """torch.profiler.profile(activities) with libkineto's start/stop lines kept off stderr: fd 2
+    is captured for the block and every other line written back to sys.stderr afterwards."""
+    from torch.profiler import profile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            with profile(activities=activities) as prof:
+                yield prof
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith(_PROFILER_CHATTER):
+                    sys.stderr.write(line)
+
+
 def count_kernels(fn, inputs: tuple, device: str, forwards: int = 1) -> dict:
     """What `forwards` calls of `fn(*inputs)` launch, per forward, by category (see
     KERNEL_COUNT_METHOD for exactly what is counted on each device)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     cuda = device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with torch.no_grad(), profile(activities=activities) as prof:
+    with torch.no_grad(), profiling(activities) as prof:
         for _ in range(forwards):
             fn(*inputs)
         if cuda:

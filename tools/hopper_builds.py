@@ -1,6 +1,6 @@
 """Build the proxy model's fused kernels for Hopper (sm_90) without a GPU; print their resources.
 
-    python3 -m tools.hopper_builds [--tokens 1,64,512,4096] [--json PATH]
+    python3 -m megafuse.tools.hopper_builds [--tokens 1,64,512,4096] [--json PATH]
 
 For each kernel the proxy model launches (the Mega-mHC seam forms it has, plus V4's fresh form,
 and the Mega-Gate at bf16 and fp32 inputs) and each token count, the launcher's CUDA launch
@@ -31,7 +31,7 @@ import sys
 import torch
 from rich.table import Table
 
-from lowering import mega_gate, mega_mhc, offline
+from megafuse.lowering import mega_gate, mega_mhc, offline
 
 from .output import console, environment, write_json
 

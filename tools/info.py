@@ -6,8 +6,8 @@ import argparse
 
 from rich.table import Table
 
-from model.config import resolve_config
-from model.stats import summary
+from megafuse.model.config import resolve_config
+from megafuse.model.stats import summary
 
 from .output import console, write_json
 

@@ -80,7 +80,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from . import bench_common, common, hopper_builds
-from .common import ToolError, display_path, step
+from .common import ToolError, display_path, profiling, step
 from .output import console, environment, tables_to_stderr, write_json
 
 EXAMPLES = """examples:
@@ -254,12 +254,12 @@ def measure(fused, inputs: tuple, kernels: list[dict], device: str, repeat: int)
     with torch.no_grad(), observe_launches(ops) as (launches, compiled, first):
         if device == "cuda":
             from torch.autograd import DeviceType
-            from torch.profiler import ProfilerActivity, profile
+            from torch.profiler import ProfilerActivity
 
             fused(*inputs)  # warm: every variant compiled before the profiled forwards
             torch.cuda.synchronize()
             launches.clear()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with profiling([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(repeat):
                     fused(*inputs)
                 torch.cuda.synchronize()

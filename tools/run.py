@@ -58,7 +58,7 @@ import argparse
 import torch
 from rich.table import Table
 
-from model.stats import parameter_counts
+from megafuse.model.stats import parameter_counts
 
 from . import common
 from .common import PAD_ID, Stopwatch, compare_logits, median, merge_metrics, step

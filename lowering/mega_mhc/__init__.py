@@ -21,7 +21,7 @@ import torch
 import triton.language  # noqa: F401  (import Triton before any kernel module: see kernel_cache)
 
 from .. import occupancy
-from ..launch import PreparedLaunches, empty, layout_key
+from ..launch import COMPILE_OPTIONS, PreparedLaunches, empty, layout_key
 from .codegen import KERNEL_NAME, generate_source, kernel_name, load, source_path
 from .inputs import (check_fn_pieces, check_out, check_trace, check_tensor, new_outputs, row_major, split_fn,
                      validate)
@@ -144,7 +144,7 @@ def mega_mhc(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
         PART_COLS=launch_plan["part_cols"], CSQ_SLOTS=0, INTERPRETED=interpret,
         MAX_SPINS=1 << 10 if interpret else 1 << 22, TRACE=trace is not None, LEAVE_OUT=leave_out_bits,
         **pdl_options(cfg, device),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS)
     grid = (launch_plan["n_jobs"],)
     if try_co_resident:
         # the interpreter runs programs one at a time in program-id order, the order jobs are

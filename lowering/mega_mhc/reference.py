@@ -7,8 +7,8 @@ from .spec import MhcSpec
 
 def reference(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, spec: MhcSpec):
     """The torch reference of the fused op: `model.mhc` + `model.layers.rms_normalize`."""
-    from model.layers import rms_normalize
-    from model.mhc import hc_post, hc_pre, mhc_coefficients
+    from megafuse.model.layers import rms_normalize
+    from megafuse.model.mhc import hc_post, hc_pre, mhc_coefficients
 
     x = hc_post(y, streams, post, comb) if spec.has_post else streams
     pre = post_next = comb_next = None

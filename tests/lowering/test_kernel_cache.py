@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from lowering import kernel_cache
+from megafuse.lowering import kernel_cache
 
 SOURCE = '''
 import triton

@@ -14,10 +14,10 @@ import itertools
 import pytest
 import torch
 
-from lowering import kernel_cache
-from lowering import mega_gate as mg
-from lowering.mega_gate import GateSpec, LaunchConfig, generate_source, mega_gate, reference, unsupported_reason
-from model.moe import score
+from megafuse.lowering import kernel_cache
+from megafuse.lowering import mega_gate as mg
+from megafuse.lowering.mega_gate import GateSpec, LaunchConfig, generate_source, mega_gate, reference, unsupported_reason
+from megafuse.model.moe import score
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 RENORMS = {"eps": (True, 1e-20), "no_eps": (True, 0.0), "none": (False, 0.0)}
@@ -310,12 +310,11 @@ def test_source_is_cached_on_disk_and_reused(tmp_path):
 
 
 def test_reference_is_model_route(monkeypatch):
-    import lowering.mega_gate
-    import model.moe
+    from megafuse.model import moe
 
-    assert lowering.mega_gate.route is model.moe.route  # the math exists once
+    assert mg.route is moe.route  # the math exists once
     calls = []
-    monkeypatch.setattr(lowering.mega_gate, "route", lambda *a, **kw: calls.append(kw) or "routed")
+    monkeypatch.setattr(mg, "route", lambda *a, **kw: calls.append(kw) or "routed")
     spec = make_spec(24, 64, 4, "softmax", renorm="no_eps", scale=2.0)
     assert reference(None, None, None, spec) == "routed"
     assert calls == [dict(score_func="softmax", k=4, renorm=True, scale=2.0, renorm_eps=0.0,

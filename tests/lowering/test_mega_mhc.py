@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lowering import kernel_cache
-from lowering import mega_mhc as mm
-from lowering.mega_mhc import LaunchConfig, MhcSpec, generate_source, mega_mhc, reference, unsupported_reason
-from model.mhc import sinkhorn
+from megafuse.lowering import kernel_cache
+from megafuse.lowering import mega_mhc as mm
+from megafuse.lowering.mega_mhc import LaunchConfig, MhcSpec, generate_source, mega_mhc, reference, unsupported_reason
+from megafuse.model.mhc import sinkhorn
 from tests.marks import slow_beyond
 
 D = 160

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from lowering import mega_mhc as mm
+from megafuse.lowering import mega_mhc as mm
 from tests.lowering.test_mega_mhc import assert_matches_reference, make_inputs, make_spec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -18,9 +18,9 @@ import pytest
 import torch
 import triton
 
-from lowering import mega_mhc, occupancy, offline
+from megafuse.lowering import mega_mhc, occupancy, offline
 from tests.marks import slow_beyond
-from tools import hopper_builds
+from megafuse.tools import hopper_builds
 
 pytestmark = pytest.mark.offline_build
 
@@ -84,7 +84,7 @@ def test_the_build_is_specialised_like_a_launch():
     assert (names.index("x_ptr"),) in attrs  # a fresh torch tensor is 64-byte aligned
     assert signature["T"] == "i32" and (names.index("T"),) not in attrs  # T == 1, but do_not_specialize
     assert constexprs["INTERPRETED"] is False and signature["INTERPRETED"] == "constexpr"
-    assert options == {"num_warps": kwargs["num_warps"], "num_stages": kwargs["num_stages"]}
+    assert options == {"num_warps": kwargs["num_warps"], "num_stages": kwargs["num_stages"], "enable_fp_fusion": True}
     assert signature["stride_xk"] == "i32" and (names.index("stride_xk"),) in attrs  # D = 5120 = 16 * 320
     assert (names.index("stride_post"),) not in attrs  # n = 4
     strided = list(args)

@@ -15,11 +15,11 @@ import random
 import pytest
 import torch
 
-from lowering import mega_gate as mg
-from lowering import mega_mhc as mm
+from megafuse.lowering import mega_gate as mg
+from megafuse.lowering import mega_mhc as mm
 from tests.lowering.test_mega_gate import make_spec as make_gate_spec
 from tests.lowering.test_mega_mhc import assert_matches_reference as assert_seam_matches, make_inputs, make_spec
-from tools.bench_gate import compare as compare_gate, make_inputs as gate_inputs
+from megafuse.tools.bench_gate import compare as compare_gate, make_inputs as gate_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

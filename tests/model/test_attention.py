@@ -4,9 +4,9 @@ import math
 
 import torch
 
-from model import build_model, preset
-from model.attention import (candidate_mask, select_topk, sparse_attention_with_sink, visible_entries)
-from model.rope import apply_rope, rope_angles, rope_frequencies
+from megafuse.model import build_model, preset
+from megafuse.model.attention import (candidate_mask, select_topk, sparse_attention_with_sink, visible_entries)
+from megafuse.model.rope import apply_rope, rope_angles, rope_frequencies
 
 
 def test_compressed_entry_visibility_boundaries():

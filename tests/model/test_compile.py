@@ -7,7 +7,7 @@ without quantisation (the 1e-4 fp32 bound) and once with the reference fake quan
 import pytest
 import torch
 
-from model import build_model, preset
+from megafuse.model import build_model, preset
 
 pytestmark = pytest.mark.slow  # whole models compiled
 

@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from model.config import ConfigError, config_from_dict, load_config, preset
-from model.stats import global_kv_bytes_per_token, parameter_counts, swa_bytes_per_request
+from megafuse.model.config import ConfigError, config_from_dict, load_config, preset
+from megafuse.model.stats import global_kv_bytes_per_token, parameter_counts, swa_bytes_per_request
 
 
 def test_presets_are_valid_and_keep_every_role():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from model import build_model, preset
+from megafuse.model import build_model, preset
 from tests.marks import slow_beyond
 
 SEQ = 72  # crosses the window (8), every ratio-2 group boundary and the candidate blocks (4 x 2)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from model.engram import Engram, EngramHasher, engram_gate, mod_u64, mul_u64
+from megafuse.model.engram import Engram, EngramHasher, engram_gate, mod_u64, mul_u64
 
 MASK64 = (1 << 64) - 1
 

@@ -8,7 +8,7 @@ prefill, and the whole model compiles with fullgraph and agrees with eager.
 import pytest
 import torch
 
-from model import build_model, preset
+from megafuse.model import build_model, preset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

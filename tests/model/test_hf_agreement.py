@@ -12,11 +12,11 @@ from torch import nn
 hf = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers import DeepseekV4Config  # noqa: E402
 
-from model import preset  # noqa: E402
-from model.mhc import hc_pre, mhc_coefficients  # noqa: E402
-from model.moe import route  # noqa: E402
-from model.rope import apply_rope, rope_angles, rope_frequencies  # noqa: E402
-from model.transformer import Block  # noqa: E402
+from megafuse.model import preset  # noqa: E402
+from megafuse.model.mhc import hc_pre, mhc_coefficients  # noqa: E402
+from megafuse.model.moe import route  # noqa: E402
+from megafuse.model.rope import apply_rope, rope_angles, rope_frequencies  # noqa: E402
+from megafuse.model.transformer import Block  # noqa: E402
 
 ATOL = 1e-5
 D, N_HC = 64, 4

@@ -4,7 +4,7 @@ import itertools
 
 import torch
 
-from model.mhc import HyperConnection, hc_post, hc_pre, mhc_coefficients, sinkhorn
+from megafuse.model.mhc import HyperConnection, hc_post, hc_pre, mhc_coefficients, sinkhorn
 
 
 def _sinkhorn_loops(logits, iters, eps):

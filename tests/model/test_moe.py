@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import preset
-from model.moe import MoE, route
+from megafuse.model import preset
+from megafuse.model.moe import MoE, route
 
 
 def _gate_inputs(seed, N=64, D=32, E=16):

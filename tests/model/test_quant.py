@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from model.quant import (
+from megafuse.model.quant import (
     decode_global_fp4,
     decode_index_mxfp4,
     decode_swa_fp8,

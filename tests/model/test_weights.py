@@ -2,8 +2,8 @@
 
 import torch
 
-from model import build_model, preset
-from model.checkpoint import load_checkpoint, save_checkpoint
+from megafuse.model import build_model, preset
+from megafuse.model.checkpoint import load_checkpoint, save_checkpoint
 
 
 def test_same_seed_same_weights_other_seed_other_weights():

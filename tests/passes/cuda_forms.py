@@ -22,7 +22,7 @@ post-grad custom pre-pass, before megafuse's passes.
 import torch
 import torch.fx as fx
 
-from passes.graph import aten, is_convert, is_op, prims
+from megafuse.passes.graph import aten, is_convert, is_op, prims
 from tests.passes.online_softmax import online_softmax
 
 

@@ -224,7 +224,7 @@ class SpelledSeam(nn.Module):
 
     def inputs(self, seed: int = 1) -> tuple[torch.Tensor, ...]:
         """(X, y, post, comb, carried) of the model's scales: comb a real Sinkhorn output."""
-        from model.mhc import sinkhorn
+        from megafuse.model.mhc import sinkhorn
 
         g = torch.Generator().manual_seed(seed)
         lead, n, dt = self.s.lead_shape, N, _dtype(self.s.stream_dtype)

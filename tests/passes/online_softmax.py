@@ -13,7 +13,7 @@ import operator
 import torch.fx as fx
 from torch._inductor import inductor_prims  # noqa: F401  (registers prims.prepare_softmax_online)
 
-from passes.graph import aten, is_last_dim, is_op, prims
+from megafuse.passes.graph import aten, is_last_dim, is_op, prims
 
 
 def online_softmax(graph: fx.Graph) -> None:

@@ -23,7 +23,7 @@ from torch._inductor.fx_passes.post_grad import view_to_reshape
 from torch._inductor.output_code import OutputCode
 from torch._inductor.virtualized import V
 
-from passes import FusedModule, PassManager
+from megafuse.passes import FusedModule, PassManager
 
 KERNEL_OPS = {
     torch.ops.megafuse.mega_gate.default: torch.ops.megafuse.mega_gate_kernel.default,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import passes
+from megafuse import passes
 from tests.passes.gate_clients import GateChain
 
 

@@ -6,8 +6,8 @@ Skipped without CUDA; run on the H200 with `python3 -m pytest tests/passes/test_
 import pytest
 import torch
 
-import passes
-from model import build_model, preset
+from megafuse import passes
+from megafuse.model import build_model, preset
 from tests.passes.gate_clients import GateChain
 from tests.passes.test_mega_mhc import Seam, _inputs, _rel
 
@@ -68,7 +68,7 @@ def test_gate_on_cuda_selects_like_the_chain(dtype):
 def test_gate_repeat_launches_of_a_layout_equal_the_reference():
     # lowering.launch: later calls of a layout launch the first call's build directly; each of
     # five calls on fresh inputs, at each tuned size, selects like the fp32 reference.
-    from lowering import mega_gate as mg
+    from megafuse.lowering import mega_gate as mg
     spec = mg.GateSpec(n_experts=384, hidden=5120, k=6, score_func="sqrtsoftplus", has_bias=True, renorm=True,
                        renorm_eps=1e-20, scale=1.5, input_dtype="float32", weight_dtype="float32")
     g = torch.Generator().manual_seed(0)

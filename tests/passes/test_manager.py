@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 
-import passes
-from passes.manager import PassManager
-from passes.mega_gate import MegaGatePass
+from megafuse import passes
+from megafuse.passes.manager import PassManager
+from megafuse.passes.mega_gate import MegaGatePass
 from tests.passes.gate_clients import GateChain
 
 
@@ -24,7 +24,7 @@ def test_uuid_covers_every_module_that_decides_a_fusion(tmp_path, monkeypatch):
     # them, or a module added to a package below them, must change the key Inductor's cache
     # serves graphs by
     import shutil
-    import passes.manager as manager
+    from megafuse.passes import manager as manager
     for folder in ("passes", "lowering"):
         shutil.copytree(manager._ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     base = PassManager("all").uuid()

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import lowering.mega_gate
-import passes
+from megafuse import passes
+from megafuse.lowering import mega_gate as gate_lowering
 from torch._inductor import config as inductor_config
 from tests.passes.gate_clients import BiasInWeights, GateChain, MixtralRouter, SoftmaxAfterTopk, TopkOverTokens
 from tests.passes.online_softmax import ONLINE_SOFTMAX
@@ -176,7 +176,7 @@ def test_inputs_the_launcher_would_refuse_stay_unfused_at_compile_time(monkeypat
     def refuse(u, weight, bias, spec):
         raise ValueError(f"mega_gate: bias must be float32 [{spec.n_experts}], got {bias.dtype}")
 
-    monkeypatch.setattr(lowering.mega_gate, "validate", refuse)
+    monkeypatch.setattr(gate_lowering, "validate", refuse)
     module = GateChain(score_func="sigmoid")
     u = torch.randn(5, 64)
     fused = fuse(module, ["mega_gate"], fullgraph=True)

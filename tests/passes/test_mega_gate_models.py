@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import passes
+from megafuse import passes
 from tests.passes.post_grad import fuse
 from tests.passes.tiny import compile_tiny
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-import passes
+from megafuse import passes
 from torch._inductor import config as inductor_config
-from model import build_model, preset
-from model.layers import RMSNorm
-from model.mhc import HyperConnection, hc_post, hc_pre
+from megafuse.model import build_model, preset
+from megafuse.model.layers import RMSNorm
+from megafuse.model.mhc import HyperConnection, hc_post, hc_pre
 from tests.passes.cuda_forms import CUDA_FORMS, TORCH_2_11_FORMS
 from tests.passes.online_softmax import ONLINE_SOFTMAX
 from tests.passes.post_grad import fuse
@@ -108,7 +108,7 @@ def test_a_chain_whose_readers_take_another_dtype_stays_unfused_with_the_reason(
     # A graph that reads u in fp32 where the seam rounds it to bf16 (seen on torch 2.11, whose
     # Inductor drops a bf16 round trip: tests/passes/cuda_forms.py) computes another function, and
     # the fused op's bf16 u would reach readers compiled for fp32: check() refuses it, with why.
-    from passes.mega_mhc import MegaMhcPass
+    from megafuse.passes.mega_mhc import MegaMhcPass
     match = MegaMhcPass.match
 
     def reads_u_in_fp32(self, anchor):
@@ -208,7 +208,7 @@ def test_a_frozen_projection_as_mm_fuses_too():
         import pathlib, sys, tempfile, torch
         from torch._inductor import config
         config.cpp.weight_prepack = False
-        import passes
+        from megafuse import passes
         from tests.passes.gate_clients import GateChain
         from tests.passes.test_mega_mhc import _frozen_seam
         report, before, after, err = _frozen_seam("delayed", pathlib.Path(tempfile.mkdtemp()))

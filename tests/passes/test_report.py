@@ -1,6 +1,6 @@
 """The report groups rejections by reason, with a count, so one cause at many sites reads as one row."""
 
-from passes.report import CompileReport, GraphReport, PassReport, Rejection
+from megafuse.passes.report import CompileReport, GraphReport, PassReport, Rejection
 
 
 def test_rejections_group_by_reason_with_node_names_read_as_one_and_counts():

@@ -2,8 +2,8 @@
 
 import torch
 
-import passes
-from model import build_model, preset
+from megafuse import passes
+from megafuse.model import build_model, preset
 
 
 def compile_tiny(enabled: list[str], tokens: int, dump_dir=None, **compile_kwargs):

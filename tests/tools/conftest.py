@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from tools import common
+from megafuse.tools import common
 
 REAL_COMPILE = common.compile_model  # taken at import, before any test patches it
 
@@ -71,6 +71,6 @@ def cached_compiles(monkeypatch, compile_cache):
 
 @pytest.fixture(scope="session")
 def tiny():
-    from model import build_model, preset
+    from megafuse.model import build_model, preset
     with torch.no_grad():
         return build_model(preset("tiny"), seed=0)

@@ -6,10 +6,10 @@ import json
 import matplotlib.image
 import pytest
 
-import passes
-from tools import ablate
-from tools.cli import main
-from tools.common import LayerHarness
+from megafuse import passes
+from megafuse.tools import ablate
+from megafuse.tools.cli import main
+from megafuse.tools.common import LayerHarness
 
 ABLATE_KEYS = {"schema", "config", "dtype", "quant", "device", "target", "compared", "batch", "tokens", "seed",
                "repeat", "passes", "timing", "kernel_count", "configurations", "rows", "png", "environment"}

@@ -6,9 +6,9 @@ import tempfile
 import pytest
 import torch
 
-from tools.bench_common import default_out
-from tools.bench_gate import main as bench_gate_main
-from tools.bench_mhc import main as bench_mhc_main
+from megafuse.tools.bench_common import default_out
+from megafuse.tools.bench_gate import main as bench_gate_main
+from megafuse.tools.bench_mhc import main as bench_mhc_main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine these would run the benchmark")

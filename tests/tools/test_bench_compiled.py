@@ -8,14 +8,14 @@ import sys
 import pytest
 import torch
 
-from tools.bench_compiled import main
+from megafuse.tools.bench_compiled import main
 
 
 def test_dry_run_fuses_each_chain_whole_and_equals_eager(tmp_path):
     # in a process of its own: the benchmark resets Dynamo between chains, which would throw away
     # the compiled modules the other tool tests share (tests/tools/conftest.py)
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "-m", "tools.bench_compiled", "--dry-run", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "megafuse.tools.bench_compiled", "--dry-run", "--out", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())

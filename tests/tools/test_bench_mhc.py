@@ -4,9 +4,9 @@ command line."""
 import pytest
 import torch
 
-from lowering import mega_mhc as mm
-from tools.bench_mhc import _sharing_an_sm, summarise_traces
-from tools.bench_mhc import main as bench_main
+from megafuse.lowering import mega_mhc as mm
+from megafuse.tools.bench_mhc import _sharing_an_sm, summarise_traces
+from megafuse.tools.bench_mhc import main as bench_main
 
 
 def launch(rescale_end_ns: int, base_ns: int) -> torch.Tensor:

@@ -2,16 +2,17 @@
 valid choices (exit status 2), pass flags generated from the registry. Nothing here compiles."""
 
 import json
+import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+import torch
 
-import passes
-from passes import registry
-from tools import ablate, common
-from tools.cli import TOOLS, build_parser, main
+from megafuse import passes
+from megafuse.passes import registry
+from megafuse.tools import ablate, common
+from megafuse.tools.cli import TOOLS, build_parser, main
 
 COMPILE_TOOLS = ("run", "ablate", "inspect")
 
@@ -129,7 +130,7 @@ def test_ablation_configurations_are_deduplicated_by_pass_set(swept, rows):
 
 
 def test_an_internal_error_exits_3_with_one_line_and_the_traceback_on_request(monkeypatch, capsys):
-    from tools import info
+    from megafuse.tools import info
 
     def broken(args):
         raise RuntimeError("boom")
@@ -143,16 +144,16 @@ def test_an_internal_error_exits_3_with_one_line_and_the_traceback_on_request(mo
     assert "Traceback (most recent call last)" in capsys.readouterr().err
 
 
-def test_help_and_an_unknown_tool_answer_without_importing_torch():
+def test_help_and_an_unknown_tool_answer_without_importing_torch(tmp_path):
     # a fresh interpreter: `megafuse --help` and `megafuse nosuch` must not import torch (seconds on
     # a small machine)
-    code = ("import sys, contextlib, io\nfrom tools.cli import main\n"
+    code = ("import sys, contextlib, io\nfrom megafuse.tools.cli import main\n"
             "for argv in (['--help'], ['nosuch']):\n"
             "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()), "
             "contextlib.redirect_stderr(io.StringIO()):\n        main(argv)\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2]).stdout
+                         cwd=tmp_path).stdout
     assert out.strip() == "False"
 
 
@@ -165,3 +166,14 @@ def test_help_and_an_unknown_tool_answer_without_importing_torch():
 def test_a_request_that_cannot_fit_is_refused_up_front_with_the_limit(argv, message, capsys):
     assert main(["run", "--config", "tiny", *argv]) == 2
     assert capsys.readouterr().err.startswith(message)
+
+
+def test_profiling_keeps_libkineto_start_stop_lines_off_stderr(capfd):
+    from torch.profiler import ProfilerActivity
+
+    with common.profiling([ProfilerActivity.CPU]) as prof:
+        torch.ones(4).sum()
+        os.write(2, b"a line of our own\n")  # anything else written to fd 2 still reaches stderr
+    err = capfd.readouterr().err
+    assert err == "a line of our own\n"
+    assert any(e.name == "aten::sum" for e in prof.events())

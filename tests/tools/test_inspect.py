@@ -5,11 +5,11 @@ each pass's before/after graphs, one layer on its own, --show."""
 import json
 from pathlib import Path
 
-import passes
-from lowering.kernel_cache import load_kernel
-from tools import inspect_kernels
-from tools.cli import main
-from tools.common import MODEL_DIR
+from megafuse import passes
+from megafuse.lowering.kernel_cache import load_kernel
+from megafuse.tools import inspect_kernels
+from megafuse.tools.cli import main
+from megafuse.tools.common import MODEL_DIR
 
 INSPECT_KEYS = {"schema", "config", "dtype", "quant", "device", "target", "batch", "tokens", "seed", "passes",
                 "counts", "report", "kernels", "graphs", "environment"}

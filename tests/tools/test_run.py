@@ -3,9 +3,9 @@ over the prompt and every decode step, and an exit status that follows --toleran
 
 import json
 
-import passes
-from tools import run
-from tools.cli import main
+from megafuse import passes
+from megafuse.tools import run
+from megafuse.tools.cli import main
 
 RUN_KEYS = {"schema", "config", "dtype", "quant", "device", "batch", "prompt_len", "decode_steps", "seed",
             "seq_len", "passes", "parameters", "graph", "counts", "report", "comparison", "timing", "generated",
@@ -72,7 +72,7 @@ def test_run_exit_status_follows_the_tolerance(cached_compiles, capsys):
 
 
 def test_run_takes_a_config_json_or_a_checkpoint_directory(tmp_path, cached_compiles, tiny, capsys):
-    from model.checkpoint import save_checkpoint
+    from megafuse.model.checkpoint import save_checkpoint
 
     (tmp_path / "tiny.json").write_text(json.dumps(tiny.cfg.to_dict()))
     checkpoint = save_checkpoint(tiny, tmp_path / "checkpoint")
