@@ -119,8 +119,9 @@ def _widened(node: fx.Node | None) -> bool:
 
 
 def _is_mix(node: fx.Node) -> bool:
-    """A post's residual mix could sit here: a bmm, or a broadcast product summed over one axis."""
-    if is_op(node, aten.bmm):
+    """A post's residual mix could sit here: a bmm (an mm where Inductor drops a size-1 batch, as
+    at T = 1), or a broadcast product summed over one axis."""
+    if is_op(node, aten.mm, aten.bmm):
         return True
     return (is_op(node, aten.sum) and is_op(node.args[0], aten.mul) and rank(node.args[0]) is not None
             and rank(node.args[0]) >= 4 and len(node.args) > 1 and len(node.args[1]) == 1)

@@ -1,7 +1,10 @@
 """The GEMM forms Inductor emits on GPUs, reproduced on CPU for the pass tests (with the online
 softmax of online_softmax.py), so the CPU tests see the graphs a CUDA compile gives the passes.
 
-Two post-grad rewrites of Inductor's only fire on CUDA / XPU (their checks ask for the device):
+Three rewrites of Inductor's only fire on CUDA / XPU (their checks ask for the device):
+- bmm_to_mm (joint_graph.py): a bmm whose operands have batch size 1 (at T = 1) becomes
+      mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0)
+  `batch_one_bmm_as_mm` does it to every such bmm.
 - shape padding (torch/_inductor/fx_passes/pad_mm.py): an mm / bmm with a size that is not a
   multiple of 8 (16-bit) or 4 (fp32) elements is zero-padded up to aligned sizes, where its
   benchmark finds that faster, and the padding sliced off its output:
@@ -30,6 +33,20 @@ def _call(graph: fx.Graph, target, args, fake) -> fx.Node:
     node = graph.call_function(target, args)
     node.meta["val"] = fake
     return node
+
+
+def batch_one_bmm_as_mm(graph: fx.Graph) -> None:
+    for bmm in [n for n in graph.nodes if is_op(n, aten.bmm)]:
+        a, b = bmm.args
+        if a.meta["val"].shape[0] != 1 or b.meta["val"].shape[0] != 1:
+            continue
+        with graph.inserting_before(bmm):
+            a, b = (_call(graph, aten.squeeze.dim, (x, 0), x.meta["val"].squeeze(0)) for x in (a, b))
+            mm = _call(graph, aten.mm.default, (a, b), aten.mm(a.meta["val"], b.meta["val"]))
+            out = _call(graph, aten.unsqueeze.default, (mm, 0), bmm.meta["val"])
+        bmm.replace_all_uses_with(out)
+        graph.erase_node(bmm)
+    graph.lint()
 
 
 def shape_padding(graph: fx.Graph) -> None:
@@ -91,6 +108,7 @@ def lossy_round_trips(graph: fx.Graph) -> None:
 
 
 def cuda_forms(graph: fx.Graph) -> None:
+    batch_one_bmm_as_mm(graph)
     online_softmax(graph)
     unfused_bias(graph)
     shape_padding(graph)

@@ -90,10 +90,11 @@ def test_every_seam_form_matches_and_equals_the_chain(tmp_path, form, dtype, sof
         assert _rel(got, want) <= tol
 
 
-def test_a_final_collapse_of_unrounded_streams_is_refused_with_the_reason_not_silently():
+@pytest.mark.parametrize("T", [1, 5])  # T = 1: the post's mix is an mm (Inductor's bmm_to_mm on GPUs)
+def test_a_final_collapse_of_unrounded_streams_is_refused_with_the_reason_not_silently(T):
     # torch 2.11's Inductor drops the bf16 round trips of X' and of c (TORCH_2_11_FORMS): the
     # collapse then reads X' in fp32, another function than the seam's; the report says so
-    module, args = Seam("final", torch.bfloat16), _inputs(5, torch.bfloat16)
+    module, args = Seam("final", torch.bfloat16), _inputs(T, torch.bfloat16)
     torch._dynamo.reset()
     fused = passes.compile(module, passes=["mega_mhc"], fullgraph=True, options=dict(TORCH_2_11_FORMS))
     out = fused(*args)
@@ -154,6 +155,26 @@ def test_a_seam_whose_projection_inductor_padded_fuses_whole(form):
     assert fused.report.counts() == {"mega_mhc": 1}, fused.report.rejections("mega_mhc")
     assert fused.report.matches("mega_mhc")[0].spec["has_coefficients"]
     for gone in ("aten.constant_pad_nd", "aten.mm", "aten.slice"):
+        assert gone not in after, gone
+    for got, want in zip(out, module(*args)):
+        assert _rel(got, want) <= 1e-2
+
+
+def test_a_final_collapse_at_one_token_fuses_where_inductor_made_its_mix_an_mm(tmp_path):
+    # at T = 1 a GPU's Inductor rewrites the post's bmm C^T X (batch 1) as
+    # mm(C.squeeze(0), X.squeeze(0)).unsqueeze(0): no coefficient head reads X', so the final
+    # collapse is found from its mix, which must be looked for among mms too
+    module, args = Seam("final", torch.bfloat16), _inputs(1, torch.bfloat16, seed=3)
+    torch._dynamo.reset()
+    fused = passes.compile(module, passes=["mega_mhc"], fullgraph=True, dump_dir=tmp_path, options=dict(CUDA_FORMS))
+    out = fused(*args)
+    before = (tmp_path / "graph000_mega_mhc_before.txt").read_text()
+    after = (tmp_path / "graph000_mega_mhc_after.txt").read_text()
+    assert "aten.mm" in before and "aten.bmm" not in before  # the premise: the mix is an mm
+    assert fused.report.counts() == {"mega_mhc": 1}, fused.report.rejections("mega_mhc")
+    spec = fused.report.matches("mega_mhc")[0].spec
+    assert spec["has_post"] and not spec["has_coefficients"]  # the final collapse
+    for gone in ("aten.mm", "aten.rsqrt"):
         assert gone not in after, gone
     for got, want in zip(out, module(*args)):
         assert _rel(got, want) <= 1e-2
