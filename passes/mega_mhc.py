@@ -215,7 +215,7 @@ class MegaMhcPass(FusionPass):
     def _candidate(self, anchor, stream, post, head, collapse, pre_mode, notes, partial=False) -> Candidate:
         nodes = list(collapse.nodes) + (post.nodes if post is not None else []) + (head.nodes if head else [])
         n, dim = val(stream).shape[-2], val(stream).shape[-1]
-        outputs = {"u": collapse.u}
+        outputs = {"u": collapse.norm.u}
         if post is not None:
             outputs["stream"] = stream
         if head is not None:
@@ -225,8 +225,8 @@ class MegaMhcPass(FusionPass):
         for node in nodes:
             if node not in outputs.values() and not only_users_in(node, inside):
                 raise NoMatch(f"{prefix}intermediate {node.name} is also used outside the mHC seam")
-        # the reference computes every step in fp32 and rounds X', c and u only
-        roundings = {stream, collapse.c, collapse.u}
+        # the reference computes every step in fp32 and rounds X', c and u only (u twice for a Llama-style norm)
+        roundings = {stream, collapse.c, *collapse.norm.roundings}
         for node in nodes:
             reads = is_op(node, *LAYOUT, *INDEXING) or node.target is operator.getitem
             if node not in roundings and not reads and isinstance(val(node), torch.Tensor) and dtype(node) != F32:
@@ -234,14 +234,15 @@ class MegaMhcPass(FusionPass):
                               f"reference computes the seam in fp32 and rounds only X', the collapse and u")
         spec = mhc_kernels.MhcSpec(
             n=int(n), dim=int(dim), sinkhorn_iters=head.iters if head else 0, hc_eps=head.hc_eps if head else 0.0,
-            stat_eps=head.stat_eps if head else 0.0, norm_eps=collapse.norm_eps, has_post=post is not None,
-            has_coefficients=head is not None, pre=pre_mode, stream_dtype=str(dtype(stream)).removeprefix("torch."))
+            stat_eps=head.stat_eps if head else 0.0, norm_eps=collapse.norm.eps, has_post=post is not None,
+            has_coefficients=head is not None, pre=pre_mode, stream_dtype=str(dtype(stream)).removeprefix("torch."),
+            norm_rounding=collapse.norm.rounding)
         inputs = {
             "streams": post.streams if post is not None else stream, "y": post.y if post else None,
             "post": post.post if post else None, "comb": post.comb if post else None,
             "carried_pre": collapse.pre if pre_mode == "carried" else None,
             "fn": head.fn if head else None, "base": head.base if head else None,
-            "scale": head.scale if head else None, "norm_weight": collapse.norm_weight,
+            "scale": head.scale if head else None, "norm_weight": collapse.norm.weight,
         }
         graph_nodes = list(anchor.graph.nodes)
         order = {n_: i for i, n_ in enumerate(graph_nodes)}

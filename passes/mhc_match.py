@@ -523,10 +523,21 @@ class Collapse:
     """c = (sum_k pre[k] X'[k]).to(dtype), u = RMSNorm(c): the pre it reads, the norm, u."""
 
     pre: fx.Node
-    norm_weight: fx.Node
-    norm_eps: float
+    norm: Norm
     c: fx.Node  # the collapse as the norm reads it (rounded to the stream dtype)
+    nodes: list[fx.Node]
+
+
+@dataclass
+class Norm:
+    """u = RMSNorm(c) with weight w: u, how it is rounded (MhcSpec.norm_rounding), its nodes and
+    the roundings among them (nodes in the stream dtype by design)."""
+
+    weight: fx.Node
+    eps: float
     u: fx.Node
+    rounding: str
+    roundings: list[fx.Node]
     nodes: list[fx.Node]
 
 
@@ -542,9 +553,14 @@ def _mul_leaves(node: fx.Node, keep: fx.Node) -> list[fx.Node]:
     return leaves
 
 
-def _match_norm(c: fx.Node, stream: fx.Node) -> tuple[fx.Node, float, fx.Node, list[fx.Node]]:
-    """u = (c * r * w).to(dtype), r = 1 / sqrt(mean(c^2) + eps), the product in any order ->
-    (w, eps, u, nodes)."""
+def _is_norm_weight(node, D: int) -> bool:
+    return rank(node) == 1 and val(node).shape[0] == D
+
+
+def _match_norm(c: fx.Node, stream: fx.Node) -> Norm:
+    """u = (c * r * w).to(dtype), r = 1 / sqrt(mean(c^2) + eps), the product in any order
+    (rounding "once"), or u = w * (c * r).to(dtype) with w in the stream dtype (rounding "twice",
+    Llama-style RMSNorm)."""
     reasons, frontier, stats = [], [(c, 0)], []
     seen = set()
     while frontier:  # the statistic: a few steps above c
@@ -571,22 +587,57 @@ def _match_norm(c: fx.Node, stream: fx.Node) -> tuple[fx.Node, float, fx.Node, l
             for _ in range(3):  # up the product tree until it holds c, r and the weight
                 leaves = _mul_leaves(top, r)
                 xs = [leaf for leaf in leaves if unwiden(leaf) is c]
-                ws = [leaf for leaf in leaves if leaf not in xs and leaf is not r and rank(leaf) == 1
-                      and val(leaf).shape[0] == D]
+                ws = [leaf for leaf in leaves if leaf not in xs and leaf is not r and _is_norm_weight(leaf, D)]
+                common = stat_nodes + [top] + _products(top, r) + widen_path(xs[0]) + widen_path(x) if xs else []
                 if len(leaves) == 3 and r in leaves and len(xs) == 1 and len(ws) == 1:
                     out = [u for u in top.users if is_convert(u) and not widens(u)]
                     u = out[0] if out else top
-                    if dtype(u) != dtype(stream):
-                        raise NoMatch(f"the norm's output stays {str(dtype(u)).removeprefix('torch.')}, not "
-                                      f"rounded to the stream dtype")
-                    return (unwiden(ws[0]), eps, u, stat_nodes + [top] + _products(top, r) + widen_path(xs[0])
-                            + widen_path(x) + out)
+                    _check_rounded(u, stream)
+                    return Norm(unwiden(ws[0]), eps, u, "once", [u], common + out)
+                twice = _weighted_after_rounding(top, stream, D) if len(leaves) == 2 and r in leaves and xs else None
+                if twice is not None:
+                    rounded, weight, u, nodes = twice
+                    _check_rounded(u, stream)
+                    return Norm(weight, eps, u, "twice", [rounded, u], common + nodes)
                 if len(top.users) != 1 or not is_op(next(iter(top.users)), aten.mul):
                     break
                 top = next(iter(top.users))
         reasons.append("the norm is not c * r * weight")
     raise NoMatch("the collapse is not normalised by an RMSNorm over the last dim"
                   + (f" ({', '.join(dict.fromkeys(reasons))})" if reasons else ""))
+
+
+def _weighted_after_rounding(normalised: fx.Node, stream: fx.Node, D: int):
+    """(rounded, w, u, nodes) where u = (w * normalised.to(stream dtype)).to(stream dtype), w [D]:
+    Llama-style RMSNorm's `weight * x.to(input_dtype)` (with an fp32 weight the product is fp32
+    and the model rounds it after). None where the graph is not that."""
+    def single_user(node):
+        return next(iter(node.users)) if len(node.users) == 1 else None
+
+    rounded = single_user(normalised)
+    if rounded is None or not is_convert(rounded) or widens(rounded) or dtype(rounded) != dtype(stream):
+        return None
+    read, nodes = rounded, [rounded]
+    while single_user(read) is not None and widens(single_user(read)):  # rounded, then widened for an fp32 weight
+        read = single_user(read)
+        nodes.append(read)
+    u = single_user(read)
+    if u is None or not is_op(u, aten.mul) or read not in u.args[:2]:
+        return None
+    weight = u.args[1] if u.args[0] is read else u.args[0]
+    if not isinstance(weight, fx.Node) or not _is_norm_weight(weight, D):
+        return None
+    nodes.append(u)
+    out = single_user(u)
+    if dtype(u) != dtype(stream) and out is not None and is_convert(out) and not widens(out):
+        u = out
+        nodes.append(u)
+    return rounded, unwiden(weight), u, nodes
+
+
+def _check_rounded(u: fx.Node, stream: fx.Node) -> None:
+    if dtype(u) != dtype(stream):
+        raise NoMatch(f"the norm's output stays {str(dtype(u)).removeprefix('torch.')}, not rounded to the stream dtype")
 
 
 def _products(node: fx.Node, keep: fx.Node) -> list[fx.Node]:
@@ -639,9 +690,9 @@ def match_collapse(stream: fx.Node, whose: str) -> Collapse:
         rounded = [u for u in top.users if is_convert(u) and dtype(u) == dtype(stream) and not widens(u)]
         c = rounded[0] if rounded else top  # (torch 2.11 folds c's round trip when only the norm reads it)
         try:
-            weight, eps, u, norm_nodes = _match_norm(c, stream)
+            norm = _match_norm(c, stream)
         except NoMatch as e:
             reasons.append(e.reason)
             continue
-        return Collapse(pre, weight, eps, c, u, found.nodes + lifted + rounded + norm_nodes)
+        return Collapse(pre, norm, c, found.nodes + lifted + rounded + norm.nodes)
     raise NoMatch(f"no hc_pre + RMSNorm reads {whose}" + (f": {'; '.join(dict.fromkeys(reasons))}" if reasons else ""))

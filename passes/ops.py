@@ -126,7 +126,8 @@ _bind(torch.ops.megafuse.mega_gate.default, torch.ops.megafuse.mega_gate_kernel.
 # produce (X' without a post, coefficients without a head) are empty tensors that nothing reads.
 
 # megafuse::mega_mhc's scalar arguments (after the nine tensors), named as MhcSpec's fields
-MHC_SCALARS = ("sinkhorn_iters", "hc_eps", "stat_eps", "norm_eps", "has_post", "has_coefficients", "pre")
+MHC_SCALARS = ("sinkhorn_iters", "hc_eps", "stat_eps", "norm_eps", "has_post", "has_coefficients", "pre",
+               "norm_rounding")
 
 
 def mhc_scalars(spec: "mhc_kernels.MhcSpec") -> tuple:
@@ -134,18 +135,21 @@ def mhc_scalars(spec: "mhc_kernels.MhcSpec") -> tuple:
     return tuple(getattr(spec, name) for name in MHC_SCALARS)
 
 
-def mhc_spec(streams, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode):
+def mhc_spec(streams, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode,
+             norm_rounding):
     """The MhcSpec of an op call: n, D and the stream dtype from the streams, the rest from the
     scalars (MHC_SCALARS order)."""
     return _mhc_spec(streams.shape[-2], streams.shape[-1], streams.dtype, sinkhorn_iters, hc_eps, stat_eps, norm_eps,
-                     has_post, has_coefficients, pre_mode)
+                     has_post, has_coefficients, pre_mode, norm_rounding)
 
 
 @functools.cache  # one spec per site, asked for on every call of the op
-def _mhc_spec(n, dim, stream_dtype, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode):
+def _mhc_spec(n, dim, stream_dtype, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode,
+              norm_rounding):
     return mhc_kernels.MhcSpec(
         n=n, dim=dim, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, stat_eps=stat_eps, norm_eps=norm_eps,
-        has_post=has_post, has_coefficients=has_coefficients, pre=pre_mode, stream_dtype=_dtype_name(stream_dtype))
+        has_post=has_post, has_coefficients=has_coefficients, pre=pre_mode, stream_dtype=_dtype_name(stream_dtype),
+        norm_rounding=norm_rounding)
 
 
 def _flat(t, keep):
@@ -157,10 +161,11 @@ def _flat(t, keep):
 
 
 def _run_mhc(impl, streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps,
-             stat_eps, norm_eps, has_post, has_coefficients, pre_mode, **kwargs):
+             stat_eps, norm_eps, has_post, has_coefficients, pre_mode, norm_rounding, **kwargs):
     """Flatten the leading dims to tokens, run `impl`, restore them; empty tensors for absent outputs."""
     lead, n, dim = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
-    spec = mhc_spec(streams, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode)
+    spec = mhc_spec(streams, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode,
+                    norm_rounding)
     out = impl(_flat(streams, 2), _flat(y, 1), _flat(post, 1), _flat(comb, 2), _flat(carried_pre, 1),
                fn, base, scale, norm_weight, spec, **kwargs)
     shapes = ((n, dim), (dim,), (n,), (n,), (n, n))
@@ -170,9 +175,11 @@ def _run_mhc(impl, streams, y, post, comb, carried_pre, fn, base, scale, norm_we
 
 
 def mhc_unsupported(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps,
-                    stat_eps, norm_eps, has_post, has_coefficients, pre_mode, fn_pieces=None) -> str | None:
+                    stat_eps, norm_eps, has_post, has_coefficients, pre_mode, norm_rounding,
+                    fn_pieces=None) -> str | None:
     """Why the kernel launch would refuse these inputs (fake tensors will do), or None."""
-    spec = mhc_spec(streams, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode)
+    spec = mhc_spec(streams, sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode,
+                    norm_rounding)
     try:
         mhc_kernels.validate(_flat(streams, 2), _flat(y, 1), _flat(post, 1), _flat(comb, 2), _flat(carried_pre, 1),
                              fn, base, scale, norm_weight, spec)
@@ -186,28 +193,28 @@ def mega_mhc(streams: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor |
              carried_pre: torch.Tensor | None, fn: torch.Tensor | None, base: torch.Tensor | None,
              scale: torch.Tensor | None, norm_weight: torch.Tensor, sinkhorn_iters: int, hc_eps: float,
              stat_eps: float, norm_eps: float, has_post: bool, has_coefficients: bool, pre_mode: str,
-             fn_pieces: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+             norm_rounding: str, fn_pieces: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                            torch.Tensor]:
     """mHC seam (post + coefficients + pre + RMSNorm): the torch reference. fn_pieces: fn's bf16
     pieces (lowering.mega_mhc.split_fn), which the kernel loads instead of splitting fn, where the
     pass made them from a frozen fn; the reference reads fn."""
     return _run_mhc(mhc_kernels.reference, streams, y, post, comb, carried_pre, fn, base, scale, norm_weight,
-                    sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode)
+                    sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode, norm_rounding)
 
 
 def mega_mhc_kernel(streams: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor | None,
                     comb: torch.Tensor | None, carried_pre: torch.Tensor | None, fn: torch.Tensor | None,
                     base: torch.Tensor | None, scale: torch.Tensor | None, norm_weight: torch.Tensor,
                     sinkhorn_iters: int, hc_eps: float, stat_eps: float, norm_eps: float, has_post: bool,
-                    has_coefficients: bool, pre_mode: str, fn_pieces: torch.Tensor | None = None
+                    has_coefficients: bool, pre_mode: str, norm_rounding: str, fn_pieces: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _run_mhc(mhc_kernels.mega_mhc, streams, y, post, comb, carried_pre, fn, base, scale, norm_weight,
-                    sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode,
+                    sinkhorn_iters, hc_eps, stat_eps, norm_eps, has_post, has_coefficients, pre_mode, norm_rounding,
                     fn_pieces=fn_pieces)
 
 
 def mhc_fake(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps, stat_eps,
-             norm_eps, has_post, has_coefficients, pre_mode, fn_pieces=None):
+             norm_eps, has_post, has_coefficients, pre_mode, norm_rounding, fn_pieces=None):
     lead, n, dim = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
     f32 = dict(dtype=torch.float32)
     return (streams.new_empty(*lead, n, dim) if has_post else streams.new_empty(0),

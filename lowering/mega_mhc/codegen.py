@@ -46,6 +46,7 @@ def _constants(spec: MhcSpec) -> str:
         ("HC_EPS", fmt_float(spec.hc_eps), ""),
         ("STAT_EPS", fmt_float(spec.stat_eps), "eps of the coefficient statistic mean(X'^2)"),
         ("NORM_EPS", fmt_float(spec.norm_eps), "eps of the sublayer RMSNorm"),
+        ("NORM_ROUNDS_TWICE", spec.norm_rounding == "twice", "u = round(round(c * r) * weight), not round(c * r * weight)"),
         ("HAS_POST", spec.has_post, "apply the previous sublayer's post (else X' = X)"),
         ("HAS_COEFFS", spec.has_coefficients, "compute pre', post', comb' of the next site"),
         ("FRESH", spec.pre == "fresh", "collapse with pre' (V4) instead of the carried pre (V4.1)"),
@@ -253,7 +254,9 @@ def _render(spec: MhcSpec, key: str) -> str:
     p = "pre'" if spec.pre == "fresh" else "the carried pre"
     math_doc += [
         f"    c     = sum_k p[k] X'[k] in fp32, rounded, with p = {p}",
-        f"    u     = c * rsqrt(mean(c^2) + {fmt_float(spec.norm_eps)}) * norm_weight, rounded        (stored)"]
+        f"    u     = c * rsqrt(mean(c^2) + {fmt_float(spec.norm_eps)}) * norm_weight, rounded        (stored)"
+        if spec.norm_rounding == "once" else
+        f"    u     = (c * rsqrt(mean(c^2) + {fmt_float(spec.norm_eps)}), rounded) * norm_weight, rounded  (stored)"]
     spec_line = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(spec).items())
     body = CHUNK_BODY.substitute(lines)
     lines["BUFFERED_BODY"] = lines["PIPELINED_BODY"] = "\n".join(

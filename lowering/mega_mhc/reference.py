@@ -16,5 +16,8 @@ def reference(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight,
         pre, post_next, comb_next = mhc_coefficients(x, fn, base, scale, spec.sinkhorn_iters,
                                                      spec.hc_eps, spec.stat_eps)
     collapsed = hc_pre(x, pre if spec.pre == "fresh" else carried_pre)
-    u = (rms_normalize(collapsed, spec.norm_eps) * norm_weight).to(x.dtype)
+    normalised = rms_normalize(collapsed, spec.norm_eps)
+    if spec.norm_rounding == "twice":
+        normalised = normalised.to(x.dtype).float()
+    u = (normalised * norm_weight).to(x.dtype)
     return (x if spec.has_post else None), u, pre, post_next, comb_next

@@ -13,6 +13,11 @@ import torch
 # take the fp32 projection (their widened X' against fp32 fn: fp16 values are not bf16's).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRE_MODES = ("carried", "fresh")
+# How u = RMSNorm(c) is rounded to the stream dtype. "once": (c * r * weight).to(dtype), the
+# reference's (and HF DeepseekV4's fp32-weight norm). "twice": (c * r).to(dtype) * weight, rounded
+# again: `weight * x.to(input_dtype)`, the RMSNorm of Llama-style models, whose weight has the stream
+# dtype (bf16 * bf16 is exact in fp32, so rounding the fp32 product once more is what eager does).
+NORM_ROUNDINGS = ("once", "twice")
 # Sync words count in their low HANDOFF_SHIFT bits (so a tile has fewer stage-A jobs than 2 **
 # HANDOFF_SHIFT); with Dispatch.HANDOFF a tile's ARRIVE_A word also holds one bit per rescale
 # part above the count (bits up to 30 of the int32: MAX_HANDOFF_PARTS).
@@ -62,6 +67,7 @@ class MhcSpec:
     has_coefficients: bool
     pre: str
     stream_dtype: str
+    norm_rounding: str = "once"
 
     def key(self) -> str:
         """Short hash of the generated source (file names, memo keys): equal keys, equal kernels."""
@@ -105,6 +111,8 @@ def unsupported_reason(spec: MhcSpec) -> str | None:
         return f"stream dtype {spec.stream_dtype!r} is not supported (one of {', '.join(DTYPES)})"
     if spec.pre not in PRE_MODES:
         return f"pre mode {spec.pre!r} is not one of {', '.join(PRE_MODES)}"
+    if spec.norm_rounding not in NORM_ROUNDINGS:
+        return f"norm rounding {spec.norm_rounding!r} is not one of {', '.join(NORM_ROUNDINGS)}"
     if spec.pre == "fresh" and not spec.has_coefficients:
         return "a fresh pre needs the coefficients of this site (has_coefficients=False)"
     if spec.has_coefficients and (not isinstance(spec.sinkhorn_iters, int) or not 1 <= spec.sinkhorn_iters <= 1000):

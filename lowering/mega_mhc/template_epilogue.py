@@ -208,9 +208,12 @@ def _store_rescaled(u_ptr, collapsed, w, inv_c, rows64, row_ok, b, R_BLOCK: tl.c
 
 @triton.jit
 def _rescaled(collapsed, w, inv_c, INTERPRETED: tl.constexpr):
-    """u = (c * 1/rms) * norm_weight, rounded: `collapsed` [tokens, columns] (stream dtype), `w`
-    [columns], `inv_c` [tokens]."""
-    return _round(_widen(collapsed, INTERPRETED) * inv_c[:, None] * w[None, :], INTERPRETED)
+    """u = (c * 1/rms) * norm_weight, rounded (NORM_ROUNDS_TWICE: c * 1/rms rounded first):
+    `collapsed` [tokens, columns] (stream dtype), `w` [columns], `inv_c` [tokens]."""
+    normalised = _widen(collapsed, INTERPRETED) * inv_c[:, None]
+    if NORM_ROUNDS_TWICE:
+        normalised = _widen(_round(normalised, INTERPRETED), INTERPRETED)
+    return _round(normalised * w[None, :], INTERPRETED)
 
 
 @triton.jit

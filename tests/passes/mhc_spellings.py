@@ -60,7 +60,7 @@ CHOICES = {  # field -> the equivalent spellings of that step
     "collapse": ("index_none", "unsqueeze", "x_first"),
     "collapse_upcast": ("float", "promote"),
     "round_c": ("to", "type_as"),
-    "norm": ("w_last", "w_first", "w_middle"),
+    "norm": ("w_last", "w_first", "w_middle", "llama"),  # llama: w * (c * r).to(dtype), rounded again
     "norm_stat": ("pow_mean", "square_mean", "mul_mean", "mul_sum_div"),
     "norm_rsqrt": ("rsqrt", "recip_sqrt", "method", "one_over_sqrt"),
 }
@@ -402,6 +402,8 @@ class SpelledSeam(nn.Module):
             u = xf * r * w
         elif s.norm == "w_first":  # HF's order
             u = w * (xf * r)
+        elif s.norm == "llama":  # Llama-style RMSNorm: rounded, then weighted (and rounded again)
+            u = w * (xf * r).to(X.dtype)
         else:
             u = (xf * w) * r
         return u.to(X.dtype)

@@ -384,12 +384,26 @@ def test_hf_deepseek_v4_fires_at_every_hyper_connection_site():
 
 
 @pytest.mark.slow  # a whole model
-def test_hf_deepseek_v4_cast_to_bf16_fuses_every_site_and_says_why_its_posts_stay_unfused():
+def _llama_style_rms_norm(self, hidden_states):
+    """HF's RMSNorm before the DeepseekV4 port kept its weight in fp32 (the transformers on the
+    H200): rounded to the input dtype, then weighted."""
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon)).to(input_dtype)
+
+
+@pytest.mark.parametrize("norm", ["fp32_weight", "llama_style"])
+def test_hf_deepseek_v4_cast_to_bf16_fuses_every_site_and_says_why_its_posts_stay_unfused(norm, monkeypatch):
     # HF's bf16 post rounds post and comb to bf16 and mixes in bf16: another function than the
     # reference's fp32 post, so each seam fuses without it (coefficients + fresh collapse + norm)
     # and its note says why. The final HyperHead (a pre-only head) is refused, with the reason.
-    from tests.passes.test_mega_gate_models import _hf_model
+    # Either RMSNorm transformers has had fuses: its roundings are the spec's norm_rounding.
+    from tests.passes.test_mega_gate_models import _hf_model, hf
 
+    if norm == "llama_style":
+        monkeypatch.setattr(hf.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4RMSNorm, "forward",
+                            _llama_style_rms_norm)
     model = _hf_model().to(torch.bfloat16)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -398,6 +412,7 @@ def test_hf_deepseek_v4_cast_to_bf16_fuses_every_site_and_says_why_its_posts_sta
     specs = [m.spec for m in fused.report.matches("mega_mhc")]
     assert len(specs) == 2 * model.config.num_hidden_layers, fused.report.rejections("mega_mhc")
     assert all(s["pre"] == "fresh" and s["has_coefficients"] and s["stream_dtype"] == "bfloat16" for s in specs)
+    assert {s["norm_rounding"] for s in specs} == {"once" if norm == "fp32_weight" else "twice"}
     notes = [s["left_unfused"][0] for s in specs[1:]]  # (the first site has no post before it)
     assert all("the post mixes in bfloat16" in note for note in notes), notes
     assert any("pre-only head" in r.reason for r in fused.report.rejections("mega_mhc"))

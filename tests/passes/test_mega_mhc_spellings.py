@@ -54,7 +54,8 @@ def run_seam(spelling: Spelling):
     return fused
 
 
-def check_fused_whole(spelling: Spelling) -> None:
+def check_fused_whole(spelling: Spelling) -> dict:
+    """Asserts `spelling` fuses whole, once, and equals the chain; the fused op's spec."""
     fused = run_seam(spelling)
     report = fused.report
     assert report.counts() == {"mega_mhc": 1}, (report.rejections("mega_mhc"), spelling)
@@ -68,6 +69,7 @@ def check_fused_whole(spelling: Spelling) -> None:
     assert "left_unfused" not in spec or (spelling.form == "first" and "first seam" in spec["left_unfused"][0])
     after = fused.post_grad_graphs[0]
     assert not [op for op in COMPUTE if op + "." in after], after
+    return spec
 
 
 def check_near_miss(spelling: Spelling) -> None:
@@ -162,6 +164,18 @@ def test_every_dtype_combination_fuses_and_equals_the_chain_in_its_dtypes(stream
     for form in ("delayed", "fresh"):
         check_fused_whole(dataclasses.replace(HF if form == "fresh" else EXTERNAL, form=form,
                                               stream_dtype=stream_dtype, hc_dtype=hc_dtype, norm_dtype=norm_dtype))
+
+
+@pytest.mark.parametrize("norm_dtype", PARAM_DTYPES)
+@pytest.mark.parametrize("stream_dtype", STREAM_DTYPES)
+def test_a_llama_style_norm_fuses_with_its_roundings(stream_dtype, norm_dtype):
+    # `weight * x.to(input_dtype)` (HF's Llama-family RMSNorm, and DeepseekV4's in older
+    # transformers): x rounded before the weight multiplies; the spec says so for 16-bit streams
+    for form in ("delayed", "final"):
+        spelling = dataclasses.replace(EXTERNAL, form=form, norm="llama", stream_dtype=stream_dtype,
+                                       norm_dtype=norm_dtype, param_upcast="promote")
+        spec = check_fused_whole(spelling)
+        assert spec["norm_rounding"] == ("once" if stream_dtype == "float32" else "twice"), spec
 
 
 def test_an_unsupported_stream_dtype_is_refused_at_compile_time_with_the_reason():
