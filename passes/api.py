@@ -13,6 +13,7 @@ from torch import nn
 
 from .manager import PassManager
 from .report import CompileReport, GraphReport
+from .torch_fixes import eager_roundings
 
 # Progress of a compile, at INFO: each graph Dynamo hands over, what the passes did to it, how long
 # Inductor took. Logged under megafuse.* (the tools show it on stderr when their output is a log).
@@ -49,6 +50,9 @@ def compile(module: nn.Module, passes="all", *, pass_options: dict | None = None
     pass_options: {pass name: {option: value}}. dump_dir: write each graph before/after each pass.
     debug_nodes: FX node names whose matcher decisions are printed as they are made.
     Everything else goes to torch.compile (e.g. dynamic=True, fullgraph=True, mode=...).
+
+    On torch < 2.12 Inductor keeps the model's bf16 round trips here (passes/torch_fixes.py), as
+    torch 2.12 does: the compiled graph computes what eager computes.
 
     Inductor's FX graph cache stays on: a graph compiled before (same code, inputs, options and
     passes) is served from it, with the report it had (see _InductorWithReports). dump_dir and
@@ -96,7 +100,8 @@ class _InductorWithReports(torch._TorchCompileInductorWrapper):
         before, start = len(report.graphs), time.perf_counter()
         log.info("graph %d: %d FX nodes from Dynamo; AOT autograd, the passes and Inductor's codegen next",
                  before + report.unreported, len(graph.graph.nodes))
-        compiled = super().__call__(graph, example_inputs, **kwargs)
+        with eager_roundings():
+            compiled = super().__call__(graph, example_inputs, **kwargs)
         log.info("graph %d: compiled in %.1f s (%s)", before + report.unreported, time.perf_counter() - start,
                  "the passes ran" if len(report.graphs) > before else "from Inductor's cache")
         stored = _report_dir() / f"{self._key(graph, example_inputs)}.json"
