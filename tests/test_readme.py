@@ -1,9 +1,12 @@
 """The README's Python blocks run as written, in order, in one namespace (a reader runs them one
-after the other), and what they print is what the README says they print."""
+after the other), and what they print is what the README says they print; its commands are valid
+command lines."""
 
 import contextlib
+import importlib
 import io
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -40,3 +43,37 @@ def test_every_python_block_runs_as_written_and_prints_what_the_readme_says():
     assert namespace["logits"].shape == (1, 32, namespace["cfg"].vocab_size)
     assert [s.shape[1] for s in namespace["step"]] == [8] + [1] * 24
     assert not namespace["logits"].requires_grad  # passes.compile compiles for inference
+
+
+def readme_commands() -> list[list[str]]:
+    """Every `megafuse ...` and `python3 -m megafuse.tools....` command the README shows, as argv
+    (placeholders such as DIR stay as written; `megafuse <tool>: ...`, the form of a message, is none)."""
+    text = README.read_text()
+    found = re.findall(r"`((?:megafuse|python3 -m megafuse\.tools\.\w+)(?: [^`]*)?)`", text)
+    commands = [shlex.split(command) for command in dict.fromkeys(found)]
+    return [argv for argv in commands if len(argv) > 1 and not argv[1].startswith("<")]
+
+
+def test_every_readme_command_is_a_valid_command_line():
+    # each command parses with the real CLI (tool names, flags and choices as the README writes
+    # them); `info` runs; `megafuse run --config tiny` is what tests/tools/test_run.py runs and
+    # checks against the README's sample output
+    from megafuse.tools.cli import build_parser, main
+
+    commands = readme_commands()
+    tools = {argv[1] for argv in commands if argv[0] == "megafuse" and not argv[1].startswith("-")}
+    assert tools >= {"info", "run", "ablate", "inspect"}, commands
+    parser = build_parser()
+    for argv in commands:
+        if argv[0] == "megafuse":
+            if argv[1:] == ["--help"]:
+                continue
+            args = parser.parse_args(argv[1:])
+            assert args.tool == argv[1]
+        else:  # a benchmark module: its own parser, --help only (they time on the H200)
+            module = importlib.import_module(argv[2])
+            with pytest.raises(SystemExit) as exit_:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    module.main(argv[3:] + ["--help"])
+            assert exit_.value.code == 0, argv
+    assert main(["info", "--config", "flash"]) == 0

@@ -2,11 +2,14 @@
 over the prompt and every decode step, and an exit status that follows --tolerance."""
 
 import json
+import re
+from pathlib import Path
 
 from megafuse import passes
 from megafuse.tools import run
 from megafuse.tools.cli import main
 
+README = Path(__file__).resolve().parents[2] / "README.md"
 RUN_KEYS = {"schema", "config", "dtype", "quant", "device", "batch", "prompt_len", "decode_steps", "seed",
             "seq_len", "passes", "parameters", "graph", "counts", "report", "comparison", "timing", "generated",
             "exit_status", "environment"}
@@ -57,6 +60,14 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_c
     printed = captured.out + captured.err  # results on stdout, progress ("compiling ...") on stderr
     for words in ("megafuse passes", "compiled vs eager logits", "step 2", "TTFT", "PASS", "compiling the sequence graph"):
         assert words in printed
+    # the README's sample of `make run` (the same tool on tiny, at 8 + 8 positions): its pass rows
+    # and the form of its verdict line are what this run prints
+    sample = README.read_text().split("$ make run", 1)[1].split("```", 1)[0]
+    for name in passes.available():
+        matches, rejected = re.search(rf"│ {name}\s+│ (\d+)\s+│ (\d+)", sample).groups()
+        assert re.search(rf"│ {name}\s+│ {matches}\s+│ {rejected}\s+│", captured.out), name
+    verdict = r"PASS: max \|logits error\| \S+ <= tolerance \S+; top-1 agreement 100\.0% over \d+ positions; exit status 0"
+    assert re.search(verdict, sample) and re.search(verdict, captured.out)
 
 
 def test_run_exit_status_follows_the_tolerance(cached_compiles, capsys):
