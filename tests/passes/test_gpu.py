@@ -96,9 +96,14 @@ def test_tiny_cast_to_bf16_fuses_every_seam_and_gate_on_cuda(T):
     with torch.no_grad():
         fused = passes.compile(model, passes="all", fullgraph=True)
         logits, eager = fused(ids).float(), model(ids).float()
+        exact = build_model(cfg, seed=0).to("cuda", torch.float64)(ids).float()
     assert fused.report.counts() == {"mega_mhc": 2 * cfg.n_layers + 1, "mega_gate": cfg.n_layers}, \
         [(r.anchor, r.reason) for name in passes.available() for r in fused.report.rejections(name)]
-    assert ((logits - eager).norm() / eager.norm()).item() <= 2e-2
+    # bf16 is the model's precision: at 24 tokens eager bf16 is 4.2% from the fp64 model, and plain
+    # Inductor, which sums in other orders, 4.7% from eager (CPU). So the compiled model is held to
+    # eager's own accuracy against fp64, not to eager's rounding noise.
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(logits, exact) <= 1.25 * rel(eager, exact), (rel(logits, exact), rel(eager, exact))
 
 
 def test_hf_deepseek_v4_bf16_fuses_every_site_on_cuda():
