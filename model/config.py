@@ -300,7 +300,7 @@ FLASH = ModelConfig(
     candidate_blocks=2048, candidate_block_size=8,
     index_heads=32, index_head_dim=128, index_topk=512,
     engram_layers=(1, 14), engram_max_ngram=4, engram_heads=8, engram_head_dim=256,
-    engram_vocab=129280, engram_head_rows=8_000_000,
+    engram_vocab=99092, engram_head_rows=16_000_000,
     dtype="bfloat16",
 )
 
@@ -344,7 +344,42 @@ HF_FIELD_NAMES = {
     "norm_topk_prob": "route_norm",
     "index_n_heads": "index_heads",
     "num_local_experts": "n_experts",
+    # DeepSeek-V4.1's config.json
+    "kv_source_layer_ids": "kv_source_layers",
+    "index_source_layer_ids": "index_source_layers",
+    "candidate_topk_blocks": "candidate_blocks",
+    "engram_layer_ids": "engram_layers",
+    "engram_max_ngram_size": "engram_max_ngram",
+    "engram_n_heads": "engram_heads",
+    "engram_compressed_vocab_size": "engram_vocab",
+    "engram_vocab_size": "engram_head_rows",  # rows of each n-gram head's table (a prime at least this)
 }
+# HF keys whose value the model fixes: (what the value must be, given the config read so far; why).
+_HF_CHECKED = {
+    "num_key_value_heads": (lambda cfg: 1, "attention is MQA: one KV head"),
+    "tie_word_embeddings": (lambda cfg: False, "the head has weights of its own"),
+    "max_position_embeddings": (lambda cfg: int(cfg.yarn_factor * cfg.yarn_original_max_pos),
+                                "positions are YaRN's factor x original_max_position_embeddings"),
+    "topk_method": (lambda cfg: "noaux_tc", "experts are chosen by the bias-corrected scores (no aux loss)"),
+    "candidate_source_layer_id": (lambda cfg: cfg.n_layers // 2, "candidates come from layer L/2 (CED)"),
+    "rope_scaling.type": (lambda cfg: "yarn", "ratio > 0 layers use YaRN"),
+}
+# HF keys the model reads nothing from, and why: named as ignored (ModelConfig.extra), never an error.
+_HF_IGNORED = {
+    "num_nextn_predict_layers": "the MTP draft layers are not modelled",
+    "dspark_": "the DSpark draft head is not modelled",
+    "quantization_config": "the weights' storage format; the model's numerics are `quant`",
+    "engram_num_embeddings": "each Engram layer's table rows follow from the primes >= engram_vocab_size",
+    "engram_pad_token_id": "the Engram hash pads with its own id, one past the compressed vocabulary (MODEL.md s.7)",
+}
+# HF's bookkeeping: no effect on the maths.
+_HF_BOOKKEEPING = frozenset({
+    "_name_or_path", "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "return_dict",
+    "output_attentions", "output_hidden_states", "output_router_logits", "id2label", "label2id",
+    "is_encoder_decoder", "problem_type", "chunk_size_feed_forward", "attention_dropout",
+    "router_aux_loss_coef", "router_jitter_noise",
+})
 _ROPE_SCALING_NAMES = {
     "factor": "yarn_factor",
     "original_max_position_embeddings": "yarn_original_max_pos",
@@ -355,36 +390,67 @@ _ROPE_SCALING_NAMES = {
 
 def config_from_dict(data: dict, base: ModelConfig | None = None, name: str | None = None) -> ModelConfig:
     """Build a config from our field names or HF-style names; fields not given come from `base`
-    (default: `tiny` widths with the flash structure rules). A config in our field names (one
-    without HF's `hidden_size`) must use only them: an unknown key is a ConfigError with the
-    closest valid names. In an HF config.json, keys that are neither ours nor HF names we map are
-    HF's own; they are kept in `extra` so a caller can show what was ignored."""
+    (default: `tiny` widths with the flash structure rules).
+
+    A config in our field names (one without HF's `hidden_size`) must use only them. An HF
+    config.json (V4.1's published one loads whole) may also hold keys whose value the model fixes
+    (checked: another value is an error), keys the model reads nothing from (the MTP and DSpark
+    draft heads, the quantisation metadata, HF's bookkeeping) and, in `compress_ratios`, the MTP
+    layers' entries after the model's own; those are named in `extra` {key: why ignored}. Any other
+    key is a ConfigError naming the closest valid names: never a silent fallback."""
     base = base or TINY
+    label = name or data.get("name", "custom")
+    hf = "hidden_size" in data
     ours = {f.name for f in dataclasses.fields(ModelConfig)} - {"extra"}
-    changes, ignored = {}, {}
+    changes, ignored, checked, unknown = {}, {}, {}, []
     for key, value in data.items():
         if key in ours:
             changes[key] = value
+        elif not hf:
+            unknown.append(key)
         elif key in HF_FIELD_NAMES:
             changes[HF_FIELD_NAMES[key]] = value
         elif key == "rope_scaling" and isinstance(value, dict):
             for k, v in value.items():
                 if k in _ROPE_SCALING_NAMES:
                     changes[_ROPE_SCALING_NAMES[k]] = v
+                elif f"rope_scaling.{k}" in _HF_CHECKED:
+                    checked[f"rope_scaling.{k}"] = v
+                else:
+                    unknown.append(f"rope_scaling.{k}")
+        elif key in _HF_CHECKED:
+            checked[key] = value
+        elif key in _HF_BOOKKEEPING:
+            ignored[key] = "HF's bookkeeping"
+        elif reason := next((why for prefix, why in _HF_IGNORED.items() if key.startswith(prefix)), None):
+            ignored[key] = reason
         else:
-            ignored[key] = value
-    if ignored and "hidden_size" not in data:
-        key = sorted(ignored)[0]
-        close = difflib.get_close_matches(key, sorted(ours), n=3)
-        raise ConfigError(f"config {name or data.get('name', 'custom')!r}: unknown field {key!r}"
+            unknown.append(key)
+    if unknown:
+        key = sorted(unknown)[0]
+        valid = sorted(ours | (set(HF_FIELD_NAMES) | set(_HF_CHECKED) | _HF_BOOKKEEPING | set(_HF_IGNORED) if hf else set()))
+        close = difflib.get_close_matches(key, valid, n=3)
+        raise ConfigError(f"config {label!r}: unknown field {key!r}"
                           + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
-                          + f" (fields: {', '.join(sorted(ours))}; an HF config.json uses HF's names)")
+                          + (" (an HF config.json: the model's fields, HF names the model maps, and the fields it "
+                             "checks or ignores by name)" if hf else
+                             f" (fields: {', '.join(sorted(ours))}; an HF config.json uses HF's names)"))
     if name is not None:
         changes["name"] = name
+    n_layers = changes.get("n_layers", base.n_layers)
+    mtp = data.get("num_nextn_predict_layers", 0) if hf else 0
+    ratios = changes.get("compress_ratios")
+    if ratios is not None and isinstance(mtp, int) and mtp > 0 and len(ratios) == n_layers + mtp:
+        changes["compress_ratios"] = ratios[:n_layers]
+        ignored["compress_ratios"] = f"its last {mtp} entries (the MTP draft layers) are not modelled"
     for key in ("compress_ratios", "kv_source_layers", "index_source_layers", "engram_layers"):
         if key in changes:
             changes[key] = tuple(changes[key])
     cfg = dataclasses.replace(base, **changes)
+    for key, value in checked.items():
+        expected, why = _HF_CHECKED[key]
+        if value != expected(cfg):
+            raise ConfigError(f"config {label!r}: {key} = {value!r}, but the model has {expected(cfg)!r}: {why}")
     object.__setattr__(cfg, "extra", ignored)
     return cfg
 

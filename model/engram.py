@@ -227,7 +227,7 @@ def engram_gate(x: torch.Tensor, key: torch.Tensor, qk_w: torch.Tensor, eps: flo
 class Engram(nn.Module):
     """One Engram layer: ``X' = Engram(X, ids)`` on the mHC streams, before its attention site.
 
-    Parameters: ``table [total_rows, head_dim]`` (host-resident at full size, ~100 GB in bf16),
+    Parameters: ``table [total_rows, head_dim]`` (host-resident at full size: 384M rows of 256, ~200 GB in bf16),
     ``wkv: R*head_dim -> (n+1)*D`` (n keys then one value), ``qk_w [n, D]``.
     Split for the runtime: ``forward = inject(X, lookup_flat(ids, history))``; `lookup_flat` touches
     only the table, so it can run (prefetch) ahead of the layer.

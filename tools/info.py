@@ -37,7 +37,7 @@ def main(args: argparse.Namespace) -> int:
         facts["published_parameters"] = published
         facts["backbone_vs_published"] = facts["parameters"]["backbone"] / published
     if cfg.extra:
-        facts["ignored_config_fields"] = sorted(cfg.extra)
+        facts["ignored_config_fields"] = dict(sorted(cfg.extra.items()))  # field -> why the model ignores it
     if args.json == "-":
         write_json(facts, "-")
         return 0
@@ -62,6 +62,13 @@ def main(args: argparse.Namespace) -> int:
                       "-" if r["topk_source"] is None else str(r["topk_source"]),
                       "yes" if r["candidates"] else "", "yes" if r["engram"] else "")
     console.print(roles)
+    if cfg.extra:
+        ignored = Table(title="config fields the model ignores")
+        for col in ("field", "why"):
+            ignored.add_column(col)
+        for key, why in facts["ignored_config_fields"].items():
+            ignored.add_row(key, why)
+        console.print(ignored)
     if args.json:
         write_json(facts, args.json)
     return 0

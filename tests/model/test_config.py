@@ -1,6 +1,7 @@
 """Config presets, validation rules with named errors, JSON loading, and the published sizes."""
 
 import json
+from pathlib import Path
 import re
 
 import pytest
@@ -36,7 +37,9 @@ def test_flash_sizes():
     counts = parameter_counts(cfg)
     # The published 552B: ours lands within 0.1% (551.9B); the Engram tables are reported apart.
     assert abs(counts["backbone"] / 552e9 - 1) < 1e-3
-    assert 90e9 < counts["engram_tables"] < 110e9
+    # the tables' rows: primes >= engram_vocab_size per n-gram head; the published config's own
+    # (engram_num_embeddings, 384,006,168 and 384,016,682 rows of 256) within 0.01%
+    assert abs(counts["engram_tables"] / (256 * (384_006_168 + 384_016_682)) - 1) < 1e-4
     assert global_kv_bytes_per_token(cfg) == 890
     assert swa_bytes_per_request(cfg) == 528 * 40 * 128
 
@@ -109,3 +112,40 @@ def test_an_unknown_field_in_our_names_is_an_error_with_the_closest_names():
     with pytest.raises(ConfigError, match=r"unknown field 'zzz' \(fields: "):
         config_from_dict({"zzz": 1}, name="x")
     assert config_from_dict({"yarn_factor": 16}, name="x").yarn_factor == 16  # an integer for a float field
+
+
+# DeepSeek-V4.1-Flash's published text config (config.json -> text_config)
+PUBLISHED = Path(__file__).resolve().parent / "data" / "v41_flash_text_config.json"
+# what the published V4.1 text config holds that the model reads nothing from, by name
+PUBLISHED_IGNORED = {"num_nextn_predict_layers", "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
+                     "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok",
+                     "quantization_config", "engram_num_embeddings", "engram_pad_token_id", "compress_ratios"}
+
+
+def _published() -> dict:
+    return json.loads(PUBLISHED.read_text())
+
+
+def test_the_published_v41_config_loads_into_flash_naming_what_it_ignores():
+    cfg = config_from_dict(_published(), name="v41")
+    # the architecture is flash's; dtype and quant are how it runs (the text config names neither)
+    assert cfg.replace(name="flash", dtype="bfloat16") == preset("flash")
+    assert len(cfg.compress_ratios) == 40  # the 3 MTP entries dropped, and said so
+    assert set(cfg.extra) == PUBLISHED_IGNORED
+    assert "3" in cfg.extra["compress_ratios"] and "MTP" in cfg.extra["compress_ratios"]
+    assert all(isinstance(why, str) and why for why in cfg.extra.values())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hiden_layers": 40}, "unknown field 'num_hiden_layers'; did you mean 'num_hidden_layers'"),
+    ({"engram_n_head": 8}, "unknown field 'engram_n_head'; did you mean 'engram_n_heads'"),
+    ({"num_key_value_heads": 8}, "num_key_value_heads = 8, but the model has 1: attention is MQA"),
+    ({"max_position_embeddings": 131072}, "max_position_embeddings = 131072, but the model has 1048576"),
+    ({"candidate_source_layer_id": 19}, "candidate_source_layer_id = 19, but the model has 20"),
+    ({"rope_scaling": {"type": "linear", "factor": 16}}, "rope_scaling.type = 'linear', but the model has 'yarn'"),
+])
+def test_a_published_config_with_a_misspelt_or_contradicting_key_is_an_error(change, message):
+    data = {**_published(), **change}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data, name="v41")
+    assert message in str(err.value), str(err.value)
