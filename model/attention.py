@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import quant
@@ -113,21 +114,24 @@ class Compressor(nn.Module):
 
     ratio 1: latent_t = norm(wkv u_t).
     ratio 2: latent_j = norm(sum_{i in {2j, 2j+1}} softmax_i(wgate u_i) * (wkv u_i)), the softmax
-    over the group's 2 tokens per channel, in fp32; a half-filled trailing group waits in `pending`.
+    over the group's 2 tokens per channel; wkv and wgate are fp32 weights and both projections run
+    in fp32 (MODEL.md section 4); a half-filled trailing group waits in `pending`.
     """
 
     def __init__(self, cfg: ModelConfig, ratio: int, dtype: torch.dtype):
         super().__init__()
         self.ratio = ratio
-        self.wkv = linear(cfg.dim, cfg.head_dim, dtype)
-        self.wgate = linear(cfg.dim, cfg.head_dim, dtype) if ratio > 1 else None
+        self.wkv = linear(cfg.dim, cfg.head_dim, dtype if ratio == 1 else torch.float32)
+        self.wgate = linear(cfg.dim, cfg.head_dim, torch.float32) if ratio > 1 else None
         self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, u: torch.Tensor, pending: torch.Tensor | None):
         """(latents [B, G, Dh], new pending [B, P', 2, Dh] or None) for the new tokens u [B, T, D]."""
         if self.ratio == 1:
             return self.norm(self.wkv(u)), None
-        kg = torch.stack((self.wkv(u).float(), self.wgate(u).float()), dim=2)  # [B, T, 2, Dh]
+        # (.float() on the weights: a model cast with .to(bf16) still projects in fp32, exactly widened)
+        x = u.float()
+        kg = torch.stack((F.linear(x, self.wkv.weight.float()), F.linear(x, self.wgate.weight.float())), dim=2)
         if pending is not None:
             kg = torch.cat((pending, kg), dim=1)
         n_groups = kg.shape[1] // self.ratio

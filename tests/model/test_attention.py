@@ -126,3 +126,27 @@ def test_rope_rotates_only_the_tail_in_interleaved_pairs_and_inverts():
     assert torch.allclose(y[p, :, 26], x[p, :, 26] * math.cos(a) - x[p, :, 27] * math.sin(a), atol=1e-6)
     assert torch.allclose(y[p, :, 27], x[p, :, 26] * math.sin(a) + x[p, :, 27] * math.cos(a), atol=1e-6)
     assert torch.allclose(apply_rope(y, ang, inverse=True), x, atol=1e-6)
+
+
+def test_ratio_2_compressor_projects_in_fp32_in_a_bf16_model():
+    # MODEL.md section 4: k = wkv(u), g = wgate(u) in fp32 for ratio 2; ratio 1 stays in the model dtype
+    from megafuse.model.attention import Compressor
+
+    cfg = preset("tiny").replace(dtype="bfloat16")
+    two, one = Compressor(cfg, 2, torch.bfloat16), Compressor(cfg, 1, torch.bfloat16)
+    assert two.wkv.weight.dtype == two.wgate.weight.dtype == torch.float32
+    assert one.wkv.weight.dtype == torch.bfloat16
+    u = torch.randn(1, 5, cfg.dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    latents, pending = two(u, None)
+    # the reference: the same maths in fp64 from the same (fp32) weights, rounded where the model rounds
+    x = u.double()
+    k, g = x @ two.wkv.weight.double().t(), x @ two.wgate.weight.double().t()
+    kg = torch.stack((k, g), dim=2)[:, :4].unflatten(1, (2, 2))
+    latent = (torch.softmax(kg[..., 1, :], dim=2) * kg[..., 0, :]).sum(dim=2).to(torch.bfloat16)
+    want = two.norm(latent)
+    assert latents.dtype == torch.bfloat16 and pending.shape == (1, 1, 2, cfg.head_dim)
+    assert (latents.float() - want.float()).abs().max().item() <= 1e-2 * want.float().abs().max().item()
+    # a bf16 projection (the weights rounded to bf16 first) is measurably another latent
+    two.to(torch.bfloat16)
+    rounded, _ = two(u, None)
+    assert (rounded.float() - latents.float()).abs().max().item() > 0
