@@ -318,7 +318,12 @@ PROXY = FLASH.replace(
     engram_head_rows=20_000,
 )
 
-PRESETS = {c.name: c for c in (TINY, PROXY, FLASH)}
+# The released 40-layer structure (roles, CED at L/2, Engram layers 1 and 14) at full per-layer widths,
+# with 24 routed experts a layer (top-6 of 24) and small Engram tables: 78.7 GiB of weights on the GPU
+# in bf16, which leaves ~60 GiB of a 139 GiB H200 for caches and activations (`megafuse info`).
+FLASH_LITE = FLASH.replace(name="flash-lite", n_experts=24, engram_head_rows=20_000)
+
+PRESETS = {c.name: c for c in (TINY, PROXY, FLASH, FLASH_LITE)}
 
 
 def preset(name: str) -> ModelConfig:

@@ -37,6 +37,13 @@ def parameter_counts(cfg: ModelConfig, model: Transformer | None = None) -> dict
     }
 
 
+def device_parameter_bytes(cfg: ModelConfig, model: Transformer | None = None) -> int:
+    """Bytes of the parameters a GPU holds: everything but the Engram tables (host-resident)."""
+    model = model or build_model(cfg, device="meta")
+    tables = {id(b.engram.table) for b in model.layers if b.engram is not None}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in tables)
+
+
 def global_kv_bytes_per_token(cfg: ModelConfig) -> float:
     """Sum over kv sources of (FP4 entry + MXFP4 index key) / ratio (MODEL.md section 6)."""
     per_entry = quant.row_bytes("global_fp4", cfg.head_dim) + quant.row_bytes("index_mxfp4", cfg.index_head_dim)
@@ -49,9 +56,11 @@ def swa_bytes_per_request(cfg: ModelConfig) -> int:
 
 
 def summary(cfg: ModelConfig) -> dict:
+    model = build_model(cfg, device="meta")
     return {
         "config": cfg.name,
-        "parameters": parameter_counts(cfg),
+        "parameters": parameter_counts(cfg, model),
+        "device_parameter_bytes": device_parameter_bytes(cfg, model),
         "global_kv_bytes_per_token": global_kv_bytes_per_token(cfg),
         "swa_bytes_per_request": swa_bytes_per_request(cfg),
         "roles": cfg.role_table(),

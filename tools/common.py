@@ -39,7 +39,7 @@ from torch import nn
 
 from megafuse import passes
 from megafuse.model.checkpoint import load_checkpoint
-from megafuse.model.config import DTYPES, QUANT_MODES, ModelConfig, resolve_config
+from megafuse.model.config import DTYPES, PRESETS, QUANT_MODES, ModelConfig, resolve_config
 from megafuse.model.transformer import Transformer, build_model
 
 from .output import ToolError, console, progress_console  # noqa: F401  (ToolError: the tools raise it from here)
@@ -55,7 +55,7 @@ PAD_ID = 0  # what fills the positions of a static sequence graph that are not y
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, prompt_len: int) -> None:
     parser.add_argument("--config", required=True,
-                        help="a preset (tiny, proxy, flash), a config JSON or a checkpoint directory")
+                        help=f"a preset ({', '.join(PRESETS)}), a config JSON or a checkpoint directory")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", choices=DTYPES, help="override the config's dtype")
     parser.add_argument("--quant", choices=QUANT_MODES, help="override the config's quant mode")

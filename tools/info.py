@@ -6,7 +6,7 @@ import argparse
 
 from rich.table import Table
 
-from megafuse.model.config import resolve_config
+from megafuse.model.config import PRESETS, resolve_config
 from megafuse.model.stats import summary
 
 from .output import console, write_json
@@ -21,7 +21,7 @@ PUBLISHED_PARAMETERS = {"flash": 552e9}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="a preset (tiny, proxy, flash), a config JSON or a checkpoint directory")
+    parser.add_argument("--config", required=True, help=f"a preset ({', '.join(PRESETS)}), a config JSON or a checkpoint directory")
     parser.add_argument("--json", metavar="PATH", help="also write the facts as JSON ('-' for stdout)")
 
 
@@ -47,6 +47,7 @@ def main(args: argparse.Namespace) -> int:
     summary_table.add_row("backbone parameters", _billions(p["backbone"])
                           + (f"  ({facts['backbone_vs_published']:.3f} x the published {published / 1e9:.0f}B)" if published else ""))
     summary_table.add_row("Engram tables (host memory)", _billions(p["engram_tables"]))
+    summary_table.add_row("weights on the GPU", f"{facts['device_parameter_bytes'] / 2**30:.1f} GiB")
     summary_table.add_row("routed experts", _billions(p["routed_experts"]))
     summary_table.add_row("activated per token", _billions(p["activated_per_token"]))
     summary_table.add_row("global KV bytes / token", f"{facts['global_kv_bytes_per_token']:g}")

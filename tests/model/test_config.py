@@ -7,7 +7,8 @@ import re
 import pytest
 
 from megafuse.model.config import ConfigError, config_from_dict, load_config, preset
-from megafuse.model.stats import global_kv_bytes_per_token, parameter_counts, swa_bytes_per_request
+from megafuse.model.stats import (device_parameter_bytes, global_kv_bytes_per_token, parameter_counts,
+                                   swa_bytes_per_request)
 
 
 def test_presets_are_valid_and_keep_every_role():
@@ -149,3 +150,13 @@ def test_a_published_config_with_a_misspelt_or_contradicting_key_is_an_error(cha
     with pytest.raises(ConfigError) as err:
         config_from_dict(data, name="v41")
     assert message in str(err.value), str(err.value)
+
+
+def test_flash_lite_is_flash_with_fewer_experts_and_fits_an_h200_with_room_for_caches():
+    lite, flash = preset("flash-lite"), preset("flash")
+    assert lite.role_table() == flash.role_table()  # 40 layers: roles, CED at L/2, Engram layers
+    assert lite.replace(name="flash", n_experts=flash.n_experts, engram_head_rows=flash.engram_head_rows) == flash
+    assert lite.n_active_experts == 6 < lite.n_experts
+    # 139 GiB of H200 memory, at least 40 GiB of it left for caches (and activations)
+    assert device_parameter_bytes(lite) <= (139 - 40) * 2**30
+    assert device_parameter_bytes(lite) == pytest.approx(78.71 * 2**30, rel=1e-3)
