@@ -85,7 +85,8 @@ class _InductorWithReports(torch._TorchCompileInductorWrapper):
     caches' keys, so a served graph was compiled with these passes; its report is stored when it is
     compiled and read back when it is served, under a key of the same things: the Dynamo graph's
     code, its inputs' shapes, strides and dtypes, the Inductor options and the manager's uuid.
-    A served graph with no stored report is counted in `CompileReport.unreported`, never hidden.
+    A served graph with no stored report is compiled again with the caches off, so that it has one
+    (counted in `CompileReport.unreported` should that compile be served too: never hidden).
     """
 
     def __init__(self, manager: PassManager, mode, options: dict, dynamic):
@@ -102,9 +103,19 @@ class _InductorWithReports(torch._TorchCompileInductorWrapper):
                  before + report.unreported, len(graph.graph.nodes))
         with eager_roundings():
             compiled = super().__call__(graph, example_inputs, **kwargs)
+        stored = _report_dir() / f"{self._key(graph, example_inputs)}.json"
+        if len(report.graphs) == before and not stored.exists():
+            # Served from Inductor's FX graph cache, which keys on the graph after AOT autograd: another
+            # Dynamo graph (say, code that changed but lowers the same) can be served a graph whose
+            # report was stored under another key. Compile it again with the caches off: the passes
+            # run and report, and the report is stored under this key.
+            log.info("graph %d: served from Inductor's cache without a stored report; compiling it again "
+                     "with the caches off", before + report.unreported)
+            patches = {**(kwargs.pop("config_patches", None) or {}), "fx_graph_cache": False}
+            with eager_roundings(), torch._functorch.config.patch(enable_autograd_cache=False):
+                compiled = super().__call__(graph, example_inputs, config_patches=patches, **kwargs)
         log.info("graph %d: compiled in %.1f s (%s)", before + report.unreported, time.perf_counter() - start,
                  "the passes ran" if len(report.graphs) > before else "from Inductor's cache")
-        stored = _report_dir() / f"{self._key(graph, example_inputs)}.json"
         if len(report.graphs) > before:  # the passes ran
             stored.parent.mkdir(parents=True, exist_ok=True)
             stored.write_text(json.dumps([g.to_dict() for g in report.graphs[before:]]))
