@@ -370,9 +370,10 @@ _HF_CHECKED = {
     "rope_scaling.type": (lambda cfg: "yarn", "ratio > 0 layers use YaRN"),
 }
 # HF keys the model reads nothing from, and why: named as ignored (ModelConfig.extra), never an error.
+# (every key of the DSpark draft head starts with `dspark_`)
+_HF_IGNORED_PREFIXES = {"dspark_": "the DSpark draft head is not modelled"}
 _HF_IGNORED = {
     "num_nextn_predict_layers": "the MTP draft layers are not modelled",
-    "dspark_": "the DSpark draft head is not modelled",
     "quantization_config": "the weights' storage format; the model's numerics are `quant`",
     "engram_num_embeddings": "each Engram layer's table rows follow from the primes >= engram_vocab_size",
     "engram_pad_token_id": "the Engram hash pads with its own id, one past the compressed vocabulary (MODEL.md s.7)",
@@ -427,7 +428,9 @@ def config_from_dict(data: dict, base: ModelConfig | None = None, name: str | No
             checked[key] = value
         elif key in _HF_BOOKKEEPING:
             ignored[key] = "HF's bookkeeping"
-        elif reason := next((why for prefix, why in _HF_IGNORED.items() if key.startswith(prefix)), None):
+        elif key in _HF_IGNORED:
+            ignored[key] = _HF_IGNORED[key]
+        elif reason := next((why for prefix, why in _HF_IGNORED_PREFIXES.items() if key.startswith(prefix)), None):
             ignored[key] = reason
         else:
             unknown.append(key)

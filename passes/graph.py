@@ -78,6 +78,11 @@ def scalar(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
+def sole_user(node: fx.Node) -> fx.Node | None:
+    """The one node that reads `node`, or None where it has none or several."""
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
 def only_users_in(node: fx.Node, allowed: set) -> bool:
     return all(u in allowed for u in node.users)
 

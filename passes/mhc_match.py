@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from .base import NoMatch
 from .graph import (MKL_LINEAR, aten, arg, dtype, frozen_value, frozen_weight, is_convert, is_last_dim, is_op,
-                    keeps_leading, last_dim_parts, new_constant, prims, rank, scalar, unpadded, val)
+                    keeps_leading, last_dim_parts, new_constant, prims, rank, scalar, sole_user, unpadded, val)
 from .mhc_axes import (GEMMS, LAYOUT, Traced, atom_members, contract, contraction_at, gemm_operands, has_shape,
                        leading_atoms, lift, replay, trace, unwiden, widen_path, widens)
 
@@ -611,24 +611,21 @@ def _weighted_after_rounding(normalised: fx.Node, stream: fx.Node, D: int):
     """(rounded, w, u, nodes) where u = (w * normalised.to(stream dtype)).to(stream dtype), w [D]:
     Llama-style RMSNorm's `weight * x.to(input_dtype)` (with an fp32 weight the product is fp32
     and the model rounds it after). None where the graph is not that."""
-    def single_user(node):
-        return next(iter(node.users)) if len(node.users) == 1 else None
-
-    rounded = single_user(normalised)
+    rounded = sole_user(normalised)
     if rounded is None or not is_convert(rounded) or widens(rounded) or dtype(rounded) != dtype(stream):
         return None
     read, nodes = rounded, [rounded]
-    while single_user(read) is not None and widens(single_user(read)):  # rounded, then widened for an fp32 weight
-        read = single_user(read)
+    while widens(sole_user(read)):  # rounded, then widened for an fp32 weight
+        read = sole_user(read)
         nodes.append(read)
-    u = single_user(read)
+    u = sole_user(read)
     if u is None or not is_op(u, aten.mul) or read not in u.args[:2]:
         return None
     weight = u.args[1] if u.args[0] is read else u.args[0]
     if not isinstance(weight, fx.Node) or not _is_norm_weight(weight, D):
         return None
     nodes.append(u)
-    out = single_user(u)
+    out = sole_user(u)
     if dtype(u) != dtype(stream) and out is not None and is_convert(out) and not widens(out):
         u = out
         nodes.append(u)
