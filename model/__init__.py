@@ -4,7 +4,10 @@ No fusion and no custom ops live here: only torch, so `torch.compile` sees the m
 """
 
 from .config import PRESETS, ConfigError, ModelConfig, load_config, preset, resolve_config
-from .transformer import DecodeCache, Transformer, build_model
+from .batch import Chunk, Rows, Sequence, SequenceGroup, StepBatch, build_step, page_table
+from .cache import CacheLayout, KVCache
+from .transformer import DecoderRegion, EncoderRegion, Transformer, build_model
 
 __all__ = ["PRESETS", "ConfigError", "ModelConfig", "load_config", "preset", "resolve_config",
-           "DecodeCache", "Transformer", "build_model"]
+           "CacheLayout", "Chunk", "DecoderRegion", "EncoderRegion", "KVCache", "Rows", "Sequence", "SequenceGroup", "StepBatch",
+           "Transformer", "build_model", "build_step", "page_table"]

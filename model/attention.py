@@ -9,11 +9,17 @@ One layer, for the T new tokens at absolute `positions` (u = normalised sublayer
     keys = [the query's window of SWA rows | the top-k global entries of its kv source]
     o    = softmax-with-sink(q . keys * Dh^-0.5) @ keys;  o = MXFP8(RoPE^-1(o));  out = wo_b(wo_a_grouped(o))
 
-Everything a later layer reads (global entries, index keys, top-k, candidate blocks) is written to
-`shared[layer]` by the layer that owns it; a layer reads `shared[cfg.kv_source(i)]` and
-`shared[cfg.topk_source(i)]`. With a `LayerCache` the same code continues a sequence: the cache
-supplies the older SWA rows, entries, index keys and the compressor's half-filled group, and is
-updated in place; without one the forward is a one-shot prefill from position 0.
+Two entry points share every piece of that maths:
+
+- `forward(u [B, T, D], positions, shared)`: a one-shot prefill from position 0 of B equal-length
+  sequences, with no cache. Global entries and index keys go to `shared[layer]` for later layers.
+  This is the plain model the tests take as the reference.
+- `step(u [1, N, D], rows, page_table, cache, shared)`: the rows of a flat batch mixing requests
+  (`model/batch.py`), reading and writing the byte cache (`model/cache.py`). The SWA window comes
+  from the step's own rows and the request's ring; global entries and index keys are written to and
+  read from the request's pages. Only the top-k and candidate blocks travel in `shared`.
+
+In both, a layer reads the entries of `cfg.kv_source(i)` and the top-k of `cfg.topk_source(i)`.
 
 Top-k selections here break ties toward the lowest index (a stable sort), so a prefill and an
 incremental decode of the same tokens choose the same entries even where scores tie exactly.
@@ -21,29 +27,18 @@ incremental decode of the same tokens choose the same entries even where scores 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import quant
+from .batch import Rows
+from .cache import KVCache, row_codec
 from .config import ModelConfig
 from .layers import RMSNorm, linear, weight
 from .rope import apply_rope, rope_angles, rope_frequencies
 
 NEG_INF = float("-inf")
-
-
-@dataclass
-class LayerCache:
-    """Eager per-request decode state of one layer (all requests in a batch share positions)."""
-
-    swa_rows: torch.Tensor  # [B, W, Dh] the last W SWA rows, oldest first
-    swa_positions: torch.Tensor  # [W] their positions, -1 for slots not yet written
-    global_entries: torch.Tensor | None = None  # [B, N, Dh] kv sources: every entry so far
-    index_keys: torch.Tensor | None = None  # [B, N, index_head_dim]
-    pending: torch.Tensor | None = None  # [B, P, 2, Dh] fp32 (k, gate) of a half-filled ratio-2 group
 
 
 def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,13 +104,31 @@ def sparse_attention_with_sink(q: torch.Tensor, keys: torch.Tensor, valid: torch
     return torch.einsum("bthj,btjd->bthd", p / denom, keys)
 
 
+def gather_entries(pool: torch.Tensor, page_table: torch.Tensor, slots: torch.Tensor,
+                   entries: torch.Tensor) -> torch.Tensor:
+    """Byte rows of entries [R, k] (ids >= 0) of each row's request: [R, k, row bytes].
+    A page holds pool.shape[1] entries of this pool's source (model/cache.py)."""
+    per_page = pool.shape[1]
+    pages = page_table[slots[:, None], torch.div(entries, per_page, rounding_mode="floor")]
+    return pool[pages, entries.remainder(per_page)]
+
+
+def write_entries(pool: torch.Tensor, page_table: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
+                  write: torch.Tensor, rows: torch.Tensor) -> None:
+    """pool[page of entry, offset] = rows where `write`, else into the scratch page (the last)."""
+    per_page = pool.shape[1]
+    pages = page_table[slots, torch.div(entries, per_page, rounding_mode="floor")]
+    pool.index_put_((torch.where(write, pages, pool.shape[0] - 1), torch.where(write, entries.remainder(per_page), 0)),
+                    rows)
+
+
 class Compressor(nn.Module):
     """Global-KV compressor of a kv source: one latent per `ratio` tokens (pre-RoPE, normalised).
 
     ratio 1: latent_t = norm(wkv u_t).
     ratio 2: latent_j = norm(sum_{i in {2j, 2j+1}} softmax_i(wgate u_i) * (wkv u_i)), the softmax
     over the group's 2 tokens per channel; wkv and wgate are fp32 weights and both projections run
-    in fp32 (MODEL.md section 4); a half-filled trailing group waits in `pending`.
+    in fp32 (MODEL.md section 4).
     """
 
     def __init__(self, cfg: ModelConfig, ratio: int, dtype: torch.dtype):
@@ -125,20 +138,40 @@ class Compressor(nn.Module):
         self.wgate = linear(cfg.dim, cfg.head_dim, torch.float32) if ratio > 1 else None
         self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, u: torch.Tensor, pending: torch.Tensor | None):
-        """(latents [B, G, Dh], new pending [B, P', 2, Dh] or None) for the new tokens u [B, T, D]."""
-        if self.ratio == 1:
-            return self.norm(self.wkv(u)), None
-        # (.float() on the weights: a model cast with .to(bf16) still projects in fp32, exactly widened)
+    def _key_gate(self, u: torch.Tensor) -> torch.Tensor:
+        """[..., 2, Dh] fp32 (k, gate) per token; (.float() on the weights: a model cast with
+        .to(bf16) still projects in fp32, exactly widened)."""
         x = u.float()
-        kg = torch.stack((F.linear(x, self.wkv.weight.float()), F.linear(x, self.wgate.weight.float())), dim=2)
-        if pending is not None:
-            kg = torch.cat((pending, kg), dim=1)
-        n_groups = kg.shape[1] // self.ratio
-        groups = kg[:, : n_groups * self.ratio].unflatten(1, (n_groups, self.ratio))  # [B, G, r, 2, Dh]
+        return torch.stack((F.linear(x, self.wkv.weight.float()), F.linear(x, self.wgate.weight.float())), dim=-2)
+
+    def _combine(self, groups: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """groups [..., r, 2, Dh] (tokens of a group, oldest first) -> normalised latents [..., Dh]."""
         k, g = groups[..., 0, :], groups[..., 1, :]
-        latent = (torch.softmax(g, dim=2) * k).sum(dim=2).to(u.dtype)
-        return self.norm(latent), kg[:, n_groups * self.ratio:]
+        return self.norm((torch.softmax(g, dim=-2) * k).sum(dim=-2).to(dtype))
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        """Latents [B, G, Dh] of the complete groups of u [B, T, D] (a trailing half group waits)."""
+        if self.ratio == 1:
+            return self.norm(self.wkv(u))
+        kg = self._key_gate(u)
+        n_groups = kg.shape[1] // self.ratio
+        return self._combine(kg[:, : n_groups * self.ratio].unflatten(1, (n_groups, self.ratio)), u.dtype)
+
+    def step(self, u: torch.Tensor, rows: Rows, state: torch.Tensor | None) -> torch.Tensor:
+        """Per-row latents [R, Dh] of u [R, D]: row r's latent is its group's when it completes one.
+
+        Ratio 2: a row at odd position p pairs with p - 1, from this step when that row is here,
+        else from `state` (the half group the request's previous step left). A request whose last
+        row here opens a group leaves it in `state` (other rows write the scratch slot).
+        """
+        if self.ratio == 1:
+            return self.norm(self.wkv(u))
+        kg = self._key_gate(u)  # [R, 2, Dh]
+        previous_here = (rows.positions - 1 >= rows.chunk_start)[:, None, None]
+        previous = torch.where(previous_here, kg.roll(1, dims=0), state[rows.slots])
+        opens = (rows.positions % 2 == 0) & (rows.positions == rows.chunk_end - 1)
+        state.index_put_((torch.where(opens, rows.slots, state.shape[0] - 1),), kg)
+        return self._combine(torch.stack((previous, kg), dim=1), u.dtype)
 
 
 class Indexer(nn.Module):
@@ -159,15 +192,22 @@ class Indexer(nn.Module):
     def _fp4(self, x: torch.Tensor) -> torch.Tensor:
         return quant.fake_quant_index_mxfp4(x) if self.quant == "ref" else x
 
+    def key_values(self, latents: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """Index keys before their MXFP4 rounding (what the cache encodes)."""
+        return apply_rope(self.k_norm(self.wk(latents)), angles)
+
     def keys(self, latents: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        return self._fp4(apply_rope(self.k_norm(self.wk(latents)), angles))
+        return self._fp4(self.key_values(latents, angles))
 
     def scores(self, u: torch.Tensor, qr: torch.Tensor, angles: torch.Tensor, keys: torch.Tensor,
                visible: torch.Tensor) -> torch.Tensor:
+        """[B, T, N] scores of queries (u, qr) [B, T, ..] against keys [B, N, d] shared by a
+        sequence's queries, or [B, T, N, d] per query (a step's rows of different requests)."""
         q = self.wq(qr).unflatten(-1, (self.heads, self.head_dim))
         q = self._fp4(apply_rope(q, angles[:, :, None, :]))
         w = self.weights_proj(u).float() * (self.head_dim ** -0.5 * self.heads ** -0.5)
-        logits = torch.relu(torch.einsum("bthd,bnd->bthn", q.float(), keys.float()))
+        per_query = "btnd" if keys.dim() == 4 else "bnd"
+        logits = torch.relu(torch.einsum(f"bthd,{per_query}->bthn", q.float(), keys.float()))
         scores = torch.einsum("bth,bthn->btn", w, logits)
         return scores.masked_fill(~visible, NEG_INF)
 
@@ -190,46 +230,27 @@ class Attention(nn.Module):
         self.compressor = Compressor(cfg, self.ratio, dtype) if self.role == "full" else None
         self.indexer = Indexer(cfg, self.role == "full", dtype) if self.role in ("full", "reindex") else None
         self.register_buffer("rope_freqs", rope_frequencies(cfg, layer), persistent=False)
+        self.codecs = {kind: row_codec(cfg, kind) for kind in ("swa", "global_kv", "index_keys")}
 
-    # ---- pieces ---------------------------------------------------------------------------------
+    # ---- pieces shared by forward and step --------------------------------------------------------
 
     def _quant(self, x: torch.Tensor, codec) -> torch.Tensor:
         return codec(x) if self.cfg.quant == "ref" else x
 
-    def _window(self, rows: torch.Tensor, row_positions: torch.Tensor, n_new: int):
-        """Each new query's W SWA rows: ([B, T, W, Dh], valid [T, W]).
+    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
+        return rope_angles(positions, self.rope_freqs)
 
-        Rows are in position order and the new tokens are the last T, so query t's window is the
-        W rows ending at it. Padding W-1 empty rows (position -1) in front makes every window a
-        strided view (`unfold`), with no clamped index arithmetic for Inductor to simplify.
-        """
-        W = self.cfg.window
-        first_new = rows.shape[1] - n_new
-        padded = torch.cat((rows.new_zeros(rows.shape[0], W - 1, rows.shape[2]), rows), dim=1)
-        padded_positions = torch.cat((row_positions.new_full((W - 1,), -1), row_positions))
-        windows = padded.unfold(1, W, 1)[:, first_new:].transpose(-1, -2)  # [B, T, W, Dh]
-        valid = padded_positions.unfold(0, W, 1)[first_new:] >= 0  # [T, W]
-        return windows, valid
+    def _project(self, u: torch.Tensor, angles: torch.Tensor):
+        """(qr, q [B, T, H, Dh] roped, this layer's SWA row before its FP8 rounding [B, T, Dh])."""
+        cfg = self.cfg
+        qr = self.q_norm(self.wq_a(u))
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), angles[:, :, None, :])
+        return qr, q, apply_rope(self.kv_norm(self.wkv(u)), angles)
 
-    def _publish_global(self, u, positions, angles_of, shared, cache):
-        """Full layers: compress the new tokens and publish entries + index keys (cached ones first)."""
-        latents, pending = self.compressor(u, None if cache is None else cache.pending)
-        n_old = 0 if cache is None or cache.global_entries is None else cache.global_entries.shape[1]
-        entry_pos = (n_old + torch.arange(latents.shape[1], device=u.device)) * self.ratio
-        angles = angles_of(entry_pos)[None]
-        entries = self._quant(apply_rope(latents, angles), quant.fake_quant_global_fp4)
-        keys = self.indexer.keys(latents, angles)
-        if cache is not None:
-            if cache.global_entries is not None:
-                entries = torch.cat((cache.global_entries, entries), dim=1)
-                keys = torch.cat((cache.index_keys, keys), dim=1)
-            cache.global_entries, cache.index_keys, cache.pending = entries, keys, pending
-        shared[self.layer] = {"entries": entries, "index_keys": keys}
-
-    def _publish_topk(self, u, qr, positions, angles, shared):
-        owner = shared[self.cfg.kv_source(self.layer)]
-        keys = owner["index_keys"]
-        visible = visible_entries(positions, keys.shape[1], self.ratio)
+    def _select(self, u, qr, positions, angles, keys, shared) -> None:
+        """Score this layer's queries against its owner's index keys and publish the top-k
+        (and, at the candidate source, the candidate blocks) in shared[layer]."""
+        visible = visible_entries(positions, keys.shape[-2], self.ratio)
         scores = self.indexer.scores(u, qr, angles, keys, visible)
         mine = shared.setdefault(self.layer, {})
         if self.layer == self.cfg.candidate_source_layer:
@@ -239,34 +260,47 @@ class Attention(nn.Module):
             scores = scores.masked_fill(~shared[self.cfg.candidate_source_layer]["candidates"], NEG_INF)
         mine["topk"] = select_topk(scores, self.cfg.index_topk)
 
-    # ---- forward --------------------------------------------------------------------------------
+    def _output(self, q, keys, valid, angles, dtype):
+        """Attention over each query's keys [B, T, J, Dh], inverse RoPE, MXFP8, grouped WO-A, WO-B."""
+        cfg = self.cfg
+        o = sparse_attention_with_sink(q, keys, valid, self.attn_sink, cfg.head_dim ** -0.5)
+        # V carries each key's rotation; de-rotating at the query leaves a relative-position signal.
+        o = apply_rope(o, angles[:, :, None, :], inverse=True)
+        o = self._quant(o.to(dtype).flatten(-2).unflatten(-1, (cfg.o_groups, -1)), quant.fake_quant_mxfp8)
+        z = torch.einsum("btgi,goi->btgo", o, self.wo_a)
+        return self.wo_b(z.flatten(-2))
 
-    def forward(self, u: torch.Tensor, positions: torch.Tensor, shared: dict, cache: LayerCache | None = None):
+    # ---- one-shot prefill -------------------------------------------------------------------------
+
+    def _window(self, rows: torch.Tensor, n_new: int):
+        """Each query's W SWA rows: ([B, T, W, Dh], valid [T, W]).
+
+        Query t's window is the W rows ending at it. Padding W-1 empty rows in front makes every
+        window a strided view (`unfold`), with no clamped index arithmetic for Inductor to simplify.
+        """
+        W = self.cfg.window
+        padded = torch.cat((rows.new_zeros(rows.shape[0], W - 1, rows.shape[2]), rows), dim=1)
+        windows = padded.unfold(1, W, 1).transpose(-1, -2)  # [B, T, W, Dh]
+        position = torch.arange(n_new, device=rows.device)[:, None] - (W - 1) + torch.arange(W, device=rows.device)
+        return windows, position >= 0
+
+    def forward(self, u: torch.Tensor, positions: torch.Tensor, shared: dict):
         cfg = self.cfg
         B, T, _ = u.shape
-
-        def angles_of(pos):
-            return rope_angles(pos, self.rope_freqs)
-
-        angles = angles_of(positions)[None]  # [1, T, rd/2]
-
-        qr = self.q_norm(self.wq_a(u))
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), angles[:, :, None, :])
-        swa_row = self._quant(apply_rope(self.kv_norm(self.wkv(u)), angles), quant.fake_quant_swa_fp8)
-
-        rows, row_positions = swa_row, positions
-        if cache is not None:
-            rows = torch.cat((cache.swa_rows, swa_row), dim=1)
-            row_positions = torch.cat((cache.swa_positions, positions))
-            cache.swa_rows, cache.swa_positions = rows[:, -cfg.window:], row_positions[-cfg.window:]
-        keys, valid = self._window(rows, row_positions, T)
+        angles = self._angles(positions)[None]  # [1, T, rd/2]
+        qr, q, swa_value = self._project(u, angles)
+        keys, valid = self._window(self._quant(swa_value, quant.fake_quant_swa_fp8), T)
         valid = valid.expand(B, T, cfg.window)
 
         if self.role != "swa":
             if self.role == "full":
-                self._publish_global(u, positions, angles_of, shared, cache)
-            if self.role in ("full", "reindex"):
-                self._publish_topk(u, qr, positions, angles, shared)
+                latents = self.compressor(u)
+                entry_angles = self._angles(torch.arange(latents.shape[1], device=u.device) * self.ratio)[None]
+                shared[self.layer] = {
+                    "entries": self._quant(apply_rope(latents, entry_angles), quant.fake_quant_global_fp4),
+                    "index_keys": self.indexer.keys(latents, entry_angles)}
+            if self.indexer is not None:
+                self._select(u, qr, positions, angles, shared[cfg.kv_source(self.layer)]["index_keys"], shared)
             entries = shared[cfg.kv_source(self.layer)]["entries"]
             topk = shared[cfg.topk_source(self.layer)]["topk"]  # [B, T, k]
             # A zero row after the last entry stands in for "no entry" (-1), so the gather is
@@ -276,10 +310,60 @@ class Attention(nn.Module):
             batch = torch.arange(B, device=u.device)[:, None, None]
             keys = torch.cat((keys, entries[batch, picked].to(keys.dtype)), dim=2)
             valid = torch.cat((valid, topk >= 0), dim=2)
+        return self._output(q, keys, valid, angles, u.dtype)
 
-        o = sparse_attention_with_sink(q, keys, valid, self.attn_sink, cfg.head_dim ** -0.5)
-        # V carries each key's rotation; de-rotating at the query leaves a relative-position signal.
-        o = apply_rope(o, angles[:, :, None, :], inverse=True)
-        o = self._quant(o.to(u.dtype).flatten(-2).unflatten(-1, (cfg.o_groups, -1)), quant.fake_quant_mxfp8)
-        z = torch.einsum("btgi,goi->btgo", o, self.wo_a)
-        return self.wo_b(z.flatten(-2))
+    # ---- batched step over the byte cache ---------------------------------------------------------
+
+    def _step_window(self, swa_value: torch.Tensor, rows: Rows, ring: torch.Tensor):
+        """Each row's W SWA rows ([R, W, Dh], valid [R, W]) from this step's rows and the request's
+        ring; then the ring takes each request's newest W rows of this step.
+
+        Window slot j of the row at position p holds position q = p - W + 1 + j: this step's row
+        (p - q) rows back when q >= chunk_start, else the ring's slot q mod W (written by an earlier
+        step of the same request). Visible iff q >= max(swa_floor, 0).
+        """
+        W, codec, dtype = self.cfg.window, self.codecs["swa"], swa_value.dtype
+        new = codec.encode(swa_value)  # [R, bytes]
+        offset = torch.arange(W, device=new.device) - (W - 1)  # q - p
+        q_pos = rows.positions[:, None] + offset
+        here = q_pos >= rows.chunk_start[:, None]
+        from_step = new[(torch.arange(new.shape[0], device=new.device)[:, None] + offset).clamp(min=0)]
+        from_ring = ring[rows.slots[:, None], q_pos.remainder(W)]
+        window = codec.decode(torch.where(here[..., None], from_step, from_ring), dtype)
+        valid = (q_pos >= rows.swa_floor[:, None]) & (q_pos >= 0)
+        newest = rows.positions >= rows.chunk_end - W  # older rows of a long chunk would collide
+        ring.index_put_((torch.where(newest, rows.slots, ring.shape[0] - 1), rows.positions.remainder(W)), new)
+        return window, valid
+
+    def _step_publish(self, u, rows, page_table, cache: KVCache) -> None:
+        """Full layers: write the entries and index keys completed by this step's new rows."""
+        latents = self.compressor.step(u[0], rows, cache.compressor.get(self.layer))  # [R, Dh]
+        entry = torch.div(rows.positions, self.ratio, rounding_mode="floor")
+        angles = self._angles(entry * self.ratio)
+        completes = (rows.positions + 1) % self.ratio == 0
+        write = completes & rows.writes_global
+        for pool, value in ((cache.global_kv, self.codecs["global_kv"].encode(apply_rope(latents, angles))),
+                            (cache.index_keys, self.codecs["index_keys"].encode(self.indexer.key_values(latents, angles)))):
+            write_entries(pool[self.layer], page_table, rows.slots, entry, write, value)
+
+    def step(self, u: torch.Tensor, rows: Rows, page_table: torch.Tensor, cache: KVCache, shared: dict):
+        """u [1, R, D] for the rows of a batched step; reads and writes `cache` (see the module doc)."""
+        cfg = self.cfg
+        angles = self._angles(rows.positions)[None]
+        qr, q, swa_value = self._project(u, angles)
+        keys, valid = self._step_window(swa_value[0], rows, cache.swa[self.layer])
+
+        if self.role != "swa":
+            source = cfg.kv_source(self.layer)
+            if self.role == "full":
+                self._step_publish(u, rows, page_table, cache)
+            if self.indexer is not None:
+                # every entry the request's pages can hold; visibility masks the rest
+                index_keys = cache.index_keys[source][page_table[rows.slots]].flatten(1, 2)
+                index_keys = self.codecs["index_keys"].decode(index_keys, u.dtype)
+                self._select(u, qr, rows.positions, angles, index_keys[None], shared)
+            topk = shared[cfg.topk_source(self.layer)]["topk"][0]  # [R, k]
+            entries = gather_entries(cache.global_kv[source], page_table, rows.slots, topk.clamp(min=0))
+            keys = torch.cat((keys, self.codecs["global_kv"].decode(entries, keys.dtype)), dim=1)
+            valid = torch.cat((valid, topk >= 0), dim=1)
+        return self._output(q, keys[None], valid[None], angles, u.dtype)

@@ -264,6 +264,10 @@ class Engram(nn.Module):
         rows = self.hasher.rows(ids, history)
         return F.embedding(rows, self.table).flatten(-2)
 
+    def lookup_windows(self, windows: torch.Tensor) -> torch.Tensor:
+        """n-gram windows [..., max_ngram] (see EngramHasher.rows_from_windows) -> flat [..., R*head_dim]."""
+        return F.embedding(self.hasher.rows_from_windows(windows), self.table).flatten(-2)
+
     def inject(self, x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         """x [..., n, D], flat [..., R*head_dim] -> x + gate * value, in x's dtype.
 

@@ -10,19 +10,25 @@ Block (V4.1, pre delayed by one sublayer; `hc_delayed=False` gives V4's own-pre 
     (p_f, q_f, C_f) = coeffs_ffn(X);   u = ffn_norm(hc_pre(X, p_a));   X = hc_post(MoE(u), X, q_f, C_f)
     return X, p_f
 
-`forward(ids)` is a one-shot prefill from position 0 and traces with `torch.compile(fullgraph=True)`.
-`forward(ids, cache)` continues the sequence held by an eager `DecodeCache` (decode when T = 1,
-chunked prefill when T > 1); both paths run the same layer code, which is what the tests compare.
+Two ways to run it, over the same layers:
+
+- `forward(ids [B, T])`: a one-shot prefill from position 0, no cache; traces with
+  `torch.compile(fullgraph=True)`. The plain model every other path is checked against.
+- `step(batch, cache)`: one batched step of a serving engine (`model/batch.py`): a flat batch of
+  rows mixing prefill chunks and decodes of different requests, reading and writing the byte cache
+  (`model/cache.py`). It runs as two regions a runtime compiles and captures separately:
+  `encoder_region` (layers 0..L/2 on every row) and `decoder_region` (layers > L/2 and the head on
+  the decoder rows: MODEL.md Decision 2). Logits come back for the decoder rows only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
-from .attention import Attention, LayerCache
+from .attention import Attention
+from .batch import Rows, StepBatch
+from .cache import KVCache
 from .config import ModelConfig
 from .engram import Engram
 from .layers import RMSNorm, linear
@@ -30,16 +36,6 @@ from .mhc import HyperConnection, HyperHead, hc_post, hc_pre
 from .moe import MoE
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@dataclass
-class DecodeCache:
-    """Everything a sequence needs to continue: per-layer caches, the length, recent token ids."""
-
-    length: int
-    layers: list[LayerCache]
-    recent_ids: torch.Tensor  # [B, engram_max_ngram - 1] the newest ids, oldest first; -1 = before the start
-    extra: dict = field(default_factory=dict)
 
 
 class Block(nn.Module):
@@ -56,16 +52,24 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.moe = MoE(cfg, dtype)
 
-    def forward(self, streams, pre, ids, positions, shared, cache: LayerCache | None, recent_ids):
+    def _run(self, streams, pre, engram, attention):
         if self.engram is not None:
-            streams = self.engram(streams, ids, recent_ids)
+            streams = engram(self.engram, streams)
         p_a, q_a, c_a = self.attn_hc(streams)
         u = self.attn_norm(hc_pre(streams, pre if self.delayed else p_a))
-        streams = hc_post(self.attn(u, positions, shared, cache), streams, q_a, c_a)
+        streams = hc_post(attention(u), streams, q_a, c_a)
         p_f, q_f, c_f = self.ffn_hc(streams)
         u = self.ffn_norm(hc_pre(streams, p_a if self.delayed else p_f))
         streams = hc_post(self.moe(u), streams, q_f, c_f)
         return streams, p_f
+
+    def forward(self, streams, pre, ids, positions, shared):
+        return self._run(streams, pre, lambda engram, x: engram(x, ids),
+                         lambda u: self.attn(u, positions, shared))
+
+    def step(self, streams, pre, rows: Rows, page_table, cache: KVCache, shared):
+        return self._run(streams, pre, lambda engram, x: engram.inject(x, engram.lookup_windows(rows.ngram_ids[None])),
+                         lambda u: self.attn.step(u, rows, page_table, cache, shared))
 
 
 class Transformer(nn.Module):
@@ -80,41 +84,82 @@ class Transformer(nn.Module):
         # V4.1 collapses with the last FFN site's pre; V4 computed a final pre of its own.
         self.head_hc = None if cfg.hc_delayed else HyperHead(cfg.hc_mult, cfg.dim, cfg.hc_eps, cfg.rms_norm_eps)
 
-    def new_cache(self, batch: int) -> DecodeCache:
-        cfg, p = self.cfg, self.embed.weight
-        layers = [
-            LayerCache(
-                swa_rows=p.new_zeros(batch, cfg.window, cfg.head_dim),
-                swa_positions=torch.full((cfg.window,), -1, dtype=torch.long, device=p.device),
-            )
-            for _ in range(cfg.n_layers)
-        ]
-        recent = torch.full((batch, cfg.engram_max_ngram - 1), -1, dtype=torch.long, device=p.device)
-        return DecodeCache(0, layers, recent)
+    @property
+    def decoder_start(self) -> int:
+        """The first layer of the decoder region (layers > L/2, MODEL.md Decision 2)."""
+        return self.cfg.decoder_kv_layer + 1
 
-    def forward(self, ids: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
-        cfg = self.cfg
+    def _embed(self, ids: torch.Tensor):
+        """(streams [B, T, n, D], pre [B, T, n] = one_hot(0): the first collapse reads copy 0)."""
         B, T = ids.shape
-        start = 0 if cache is None else cache.length
-        positions = torch.arange(start, start + T, device=ids.device)
-        recent = None if cache is None else cache.recent_ids
+        streams = self.embed(ids).unsqueeze(2).expand(B, T, self.cfg.hc_mult, self.cfg.dim).contiguous()
+        pre = torch.zeros(B, T, self.cfg.hc_mult, device=ids.device)
+        pre[..., 0] = 1.0
+        return streams, pre
 
-        streams = self.embed(ids).unsqueeze(2).expand(B, T, cfg.hc_mult, cfg.dim).contiguous()
-        pre = torch.zeros(B, T, cfg.hc_mult, device=ids.device)
-        pre[..., 0] = 1.0  # the first collapse reads copy 0
-        shared: dict = {}
-        for i, block in enumerate(self.layers):
-            streams, pre = block(streams, pre, ids, positions, shared, None if cache is None else cache.layers[i], recent)
-
+    def _logits(self, streams, pre) -> torch.Tensor:
         if self.head_hc is not None:
             pre = self.head_hc(streams)
         y = self.norm(hc_pre(streams, pre))
-        logits = y.float() @ self.head.weight.float().t()
-        if cache is not None:
-            cache.length += T
-            keep = cache.recent_ids.shape[1]
-            cache.recent_ids = torch.cat((cache.recent_ids, ids), dim=1)[:, -keep:]
-        return logits
+        return y.float() @ self.head.weight.float().t()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, vocab] fp32 of a one-shot prefill of ids [B, T] from position 0."""
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        streams, pre = self._embed(ids)
+        shared: dict = {}
+        for block in self.layers:
+            streams, pre = block(streams, pre, ids, positions, shared)
+        return self._logits(streams, pre)
+
+    def encoder_region(self, batch: StepBatch, cache: KVCache):
+        """Layers 0..L/2 on every row; returns (streams, pre, shared) of the decoder rows only."""
+        rows = batch.rows
+        streams, pre = self._embed(rows.ids[None])
+        shared: dict = {}
+        for block in self.layers[: self.decoder_start]:
+            streams, pre = block.step(streams, pre, rows, batch.page_table, cache, shared)
+        keep = batch.decoder_index
+        # The decoder reads the top-k and candidate blocks the encoder's index sources published.
+        shared = {layer: {name: value[:, keep] for name, value in published.items()}
+                  for layer, published in shared.items() if "topk" in published}
+        return streams[:, keep], pre[:, keep], shared
+
+    def decoder_region(self, streams, pre, shared: dict, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        """Layers > L/2 and the head on the decoder rows: logits [M, vocab] fp32."""
+        for block in self.layers[self.decoder_start:]:
+            streams, pre = block.step(streams, pre, batch.decoder, batch.page_table, cache, shared)
+        return self._logits(streams, pre)[0]
+
+    def step(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        """One batched step (both regions): logits [M, vocab] of the decoder rows, in order.
+        A step without decoder rows (only non-final prefill chunks) skips the decoder region."""
+        encoded = self.encoder_region(batch, cache)
+        if batch.decoder_index.numel() == 0:
+            return encoded[0].new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
+        return self.decoder_region(*encoded, batch, cache)
+
+
+class EncoderRegion(nn.Module):
+    """`model.encoder_region` as a module, so it compiles (and is captured) on its own."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: StepBatch, cache: KVCache):
+        return self.model.encoder_region(batch, cache)
+
+
+class DecoderRegion(nn.Module):
+    """`model.decoder_region` as a module, so it compiles (and is captured) on its own."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, streams, pre, shared: dict, batch: StepBatch, cache: KVCache):
+        return self.model.decoder_region(streams, pre, shared, batch, cache)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> Transformer:

@@ -94,6 +94,18 @@ class CompileReport:
     def counts(self) -> dict[str, int]:
         return {name: len(self.matches(name)) for name in self.pass_names}
 
+    @classmethod
+    def combined(cls, *reports: "CompileReport") -> "CompileReport":
+        """One report over the graphs of several compiles with the same passes (a model's regions)."""
+        names = reports[0].pass_names
+        if any(r.pass_names != names for r in reports):
+            raise ValueError(f"reports of different pass lists cannot combine: {[r.pass_names for r in reports]}")
+        out = cls(names)
+        for r in reports:
+            out.graphs += r.graphs
+            out.unreported += r.unreported
+        return out
+
     def why(self, node_name: str) -> dict[str, str]:
         """The debug hook: what each pass decided at the FX node `node_name` (all graphs)."""
         return {p.name: p.decisions[node_name] for g in self.graphs for p in g.passes if node_name in p.decisions}

@@ -1,40 +1,37 @@
-"""`megafuse run`: compile a model with the passes, run prefill + greedy decode, compare with eager.
+"""`megafuse run`: compile the batched step with the passes, prefill and decode incrementally, compare with eager.
 
 What it does, in order:
 
 1. builds the model (`--config`: preset, config JSON or checkpoint directory) and a random prompt
-   [B, T] from `--seed`;
-2. eager reference: prefill with a `DecodeCache`, then `--decode N` greedy steps of the model's
-   own incremental decode (`model(token, cache)`), timed;
-3. compiles the one-shot forward with the enabled passes (`passes.compile(..., fullgraph=True,
-   dynamic=False)`) as ONE static graph over the whole sequence, [B, L] with L = T + N;
-4. runs it for the prompt and for every decode step. The model is causal, so a position's logits
-   depend only on the tokens up to it: the sequence graph takes the tokens known so far, right-
-   padded with PAD_ID, and the step reads its position. Decode steps are teacher-forced with the
-   eager model's greedy tokens, so both models see the same inputs at every step (a single
-   divergence cannot cascade); the compiled model's own greedy choice is its argmax there;
+   per request, [B, T], from `--seed`; a byte cache (model/cache.py) with B request slots;
+2. eager reference: one prefill step of the B prompts, then `--decode N` greedy decode steps of B
+   rows each, through the model's batched step (`model.step`: model/batch.py), timed;
+3. compiles the step's two regions (`EncoderRegion`: layers 0..L/2, `DecoderRegion`: layers > L/2
+   and the head) with the enabled passes (`passes.compile(..., fullgraph=True, dynamic=False)`).
+   Each region compiles once per bucket: the prefill step ([B*T] rows) and the decode step ([B]
+   rows), so at most 4 graphs; a warm-up prefill + decode on a cache of its own compiles them;
+4. runs the compiled regions on a fresh cache: the prefill, then every decode step incrementally
+   (one new row per request, reading the cache; the sequence is never re-run). Decode steps are
+   teacher-forced with eager's greedy tokens, so both sides see the same inputs at every step (a
+   single divergence cannot cascade); the compiled side's own greedy choice is its argmax there;
 5. compares logits over the prompt and every decoded step (max abs error, cosine, top-1
    agreement), prints TTFT, per-token latency and tokens/s for both, and the pass report;
 6. exits with status 1 when the max abs logits error exceeds `--tolerance` (or a logit is not
    finite), else 0.
 
-Why one padded static graph: the cache-based decode is eager-only code, so compiled decode re-runs
-the full sequence; growing the prefix by one token per step would recompile every step with static
-shapes, and `dynamic=True` takes ~2x longer to compile on CPU and still recompiles on the model's
-shape guards (measured on `tiny`: 257 s, then 207 s again at the next length). One static graph
-compiles once and serves prefill and every step. Its costs, stated in the output: compiled TTFT
-and per-token latency are those of a full forward over L positions (not of an incremental decode
-step), which is what re-running the sequence costs anyway.
+The prefill runs without the decoder trim, so the comparison covers every prompt position.
 
-JSON (`--json PATH`, '-' for stdout), schema "megafuse.run/1":
+JSON (`--json PATH`, '-' for stdout), schema "megafuse.run/2":
 
-    schema          "megafuse.run/1"
+    schema          "megafuse.run/2"
     config, dtype, quant, device        str
     batch, prompt_len, decode_steps, seed, seq_len        int   (seq_len = prompt_len + decode_steps)
     passes          [str]   enabled passes, registry order
     parameters      {total, backbone, engram_tables, routed_experts, activated_per_token}
-    graph           {shape: [B, L], dynamic: false, note: str, compile_s: float (first call,
-                     compile included), graphs_compiled: int}
+    cache           {page_size, pages, slots, bytes: {swa, global_kv, index_keys, compressor}}
+    graph           {regions: ["encoder", "decoder"], buckets: {prefill: [rows, decoder rows],
+                     decode: [rows, decoder rows]}, dynamic: false, note: str, compile_s: float
+                     (the warm-up prefill + decode, compiles included), graphs_compiled: int}
     counts          {pass: matches}   == report.counts
     report          CompileReport.to_dict(): {passes, graphs, counts,
                      per_pass: {pass: {matches: [{op, node, spec, replaced, sources}],
@@ -44,7 +41,7 @@ JSON (`--json PATH`, '-' for stdout), schema "megafuse.run/1":
                     M = {positions, max_abs, cosine_min, cosine_mean, top1_agreement, finite}
     timing          {method: str, indicative: bool,
                      eager:    {ttft_s, step_s: [N], per_token_s, tokens_per_s},
-                     compiled: {ttft_s, step_s: [N], per_token_s, tokens_per_s, note: str}}
+                     compiled: {ttft_s, step_s: [N], per_token_s, tokens_per_s}}
                                     per_token_s = median step time (null without decode); tokens_per_s = batch / per_token_s
     generated       {eager: [B][N+1], compiled: [B][N+1]}   first token + one per step
     exit_status     0 | 1
@@ -58,10 +55,12 @@ import argparse
 import torch
 from rich.table import Table
 
+from megafuse.model import CacheLayout, DecoderRegion, EncoderRegion, SequenceGroup
 from megafuse.model.stats import parameter_counts
+from megafuse.passes.report import CompileReport
 
 from . import common
-from .common import PAD_ID, Stopwatch, compare_logits, median, merge_metrics, step
+from .common import Stopwatch, compare_logits, median, merge_metrics, step
 from .output import console, environment, tables_to_stderr, write_json
 
 EXAMPLES = """examples:
@@ -72,9 +71,8 @@ EXAMPLES = """examples:
   megafuse run --config proxy --device cuda --prompt-len 64 --decode 16
   megafuse run --config ./checkpoint_dir              # a directory written by save_checkpoint
 
-Decode with the compiled model re-runs the whole sequence per token through ONE static graph of
-prompt + decode positions (right-padded, the model is causal), teacher-forced with eager's greedy
-tokens: one compile, and both models see the same inputs at every step.
+Both sides run the model's batched step over the byte cache: a prefill step, then one incremental
+decode step per token (teacher-forced with eager's greedy tokens, so both see the same inputs).
 """
 
 DEFAULT_TOLERANCE = {"float32": 5e-2, "bfloat16": 0.5}
@@ -92,26 +90,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
 
 
-def _eager_generate(model, prompt: torch.Tensor, steps: int, clock: Stopwatch):
-    """Prefill with a cache and `steps` greedy incremental decode steps: logits, tokens, times."""
-    cache = model.new_cache(prompt.shape[0])
-    prompt_logits, ttft = clock(model, prompt, cache)
-    token = prompt_logits[:, -1].argmax(-1, keepdim=True)
-    tokens, step_logits, step_s = [token], [], []
-    for _ in range(steps):
-        logits, seconds = clock(model, token, cache)
-        step_logits.append(logits[:, -1])
+PAGE_SIZE = 64  # token positions per cache page (model/cache.py)
+
+
+def _layout(batch: int, seq_len: int) -> CacheLayout:
+    max_pages = -(-seq_len // PAGE_SIZE)
+    return CacheLayout(slots=batch, pages=batch * max_pages, page_size=PAGE_SIZE, max_pages=max_pages)
+
+
+def _generate(run, group: SequenceGroup, steps: int, clock: Stopwatch, forced: torch.Tensor | None = None):
+    """Prefill every sequence of `group`, then `steps` decode steps of one row each: prompt logits
+    [B, T, V], per-step logits [B, V], greedy tokens [B, steps + 1], TTFT and step times. With
+    `forced` [B, steps], those tokens are fed instead of the greedy ones (teacher forcing)."""
+    B, T = len(group.sequences), len(group.sequences[0].tokens)
+    (_, prompt_logits), ttft = clock(group.step, run, [(i, T, True) for i in range(B)])
+    prompt_logits = torch.stack(prompt_logits)
+    tokens = [prompt_logits[:, -1].argmax(-1)]
+    step_logits, step_s = [], []
+    for k in range(steps):
+        fed = tokens[-1] if forced is None else forced[:, k]
+        for seq, token in zip(group.sequences, fed.tolist()):
+            seq.tokens.append(token)
+        (_, logits), seconds = clock(group.step, run, [(i, 1, True) for i in range(B)])
+        step_logits.append(torch.cat(logits))
         step_s.append(seconds)
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        tokens.append(token)
-    return prompt_logits, step_logits, torch.cat(tokens, dim=1), ttft, step_s
-
-
-def _padded(sequence: torch.Tensor, known: int) -> torch.Tensor:
-    """The sequence graph's input when `known` tokens are known: the rest is PAD_ID."""
-    ids = sequence.clone()
-    ids[:, known:] = PAD_ID
-    return ids
+        tokens.append(step_logits[-1].argmax(-1))
+    return prompt_logits, step_logits, torch.stack(tokens, dim=1), ttft, step_s
 
 
 def _timing(ttft: float, step_s: list[float], batch: int) -> dict:
@@ -133,41 +137,43 @@ def _main(args: argparse.Namespace) -> int:
     L = T + N
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[cfg.dtype]
     clock = Stopwatch(args.device)
-    prompt = common.random_ids(cfg, B, T, args.seed, args.device)
+    prompts = common.random_ids(cfg, B, T, args.seed, args.device).tolist()
+    layout = _layout(B, L)
+    buckets = {"prefill": [B * T, B * T]} | ({"decode": [B, B]} if N else {})
+
+    def group():
+        return SequenceGroup(cfg, layout, prompts, args.device)
 
     header = Table(title=f"megafuse run: {cfg.name} ({cfg.dtype}, quant={cfg.quant}, {args.device})", show_header=False)
     params = parameter_counts(cfg, model)
     header.add_row("parameters", f"{params['total']:,}")
     header.add_row("passes", ", ".join(names) or "none (plain Inductor)")
     header.add_row("prompt / decode", f"{B} x {T} tokens, {N} greedy steps")
-    header.add_row("compiled graph", f"one static graph over [{B}, {L}] = prompt + decode positions (right-padded)")
+    header.add_row("compiled step", "2 regions (layers 0.." + str(model.decoder_start - 1) + f" | {model.decoder_start}.."
+                   f"{cfg.n_layers - 1} + head) x " + " and ".join(f"{k} [{v[0]} rows]" for k, v in buckets.items()))
     console.print(header)
 
     with torch.no_grad():
-        # 1. eager reference (one warm-up forward first, so TTFT does not time one-off set-up)
+        # 1. eager reference (one warm-up prefill first, so TTFT does not time one-off set-up)
         with step(f"eager: prefill {B}x{T} and {N} incremental decode steps"):
-            model(prompt)
-            prompt_ref, steps_ref, eager_tokens, eager_ttft, eager_step_s = _eager_generate(model, prompt, N, clock)
-        # teacher forcing: the whole sequence both models see, prompt + eager's greedy tokens
-        sequence = torch.cat([prompt, eager_tokens[:, :N]], dim=1)
+            group().step(model.step, [(i, T, True) for i in range(B)])
+            eager = group()
+            prompt_ref, steps_ref, eager_tokens, eager_ttft, eager_step_s = _generate(model.step, eager, N, clock)
 
-        # 2. compile: the first call of the static sequence graph
-        fused = common.compile_model(model, names, args.device)
-        with step(f"compiling the sequence graph [{B}, {L}] with {', '.join(names) or 'no passes'}"):
-            _, compile_s = clock(fused, _padded(sequence, T))
+        # 2. compile the two regions: a warm-up prefill and decode compiles each bucket
+        encoder = common.compile_model(EncoderRegion(model), names, args.device)
+        decoder = common.compile_model(DecoderRegion(model), names, args.device)
 
-        # 3. compiled prefill and teacher-forced decode
-        with step(f"compiled: prefill and {N} decode steps (each a full forward over {L} positions)"):
-            logits, ttft = clock(fused, _padded(sequence, T))
-            prompt_got = logits[:, :T]
-            compiled_tokens = [prompt_got[:, -1].argmax(-1, keepdim=True)]
-            steps_got, step_s = [], []
-            for k in range(1, N + 1):
-                logits, seconds = clock(fused, _padded(sequence, T + k))
-                steps_got.append(logits[:, T + k - 1])
-                step_s.append(seconds)
-                compiled_tokens.append(steps_got[-1].argmax(-1, keepdim=True))
-        compiled_tokens = torch.cat(compiled_tokens, dim=1)
+        def compiled_step(batch, cache):
+            return decoder(*encoder(batch, cache), batch, cache)
+
+        with step(f"compiling the step's 2 regions for {' and '.join(buckets)} with {', '.join(names) or 'no passes'}"):
+            _, compile_s = clock(_generate, compiled_step, group(), min(N, 1), clock, eager_tokens[:, 1:2])
+
+        # 3. compiled prefill and incremental decode, teacher-forced with eager's tokens
+        with step(f"compiled: prefill and {N} incremental decode steps"):
+            prompt_got, steps_got, compiled_tokens, ttft, step_s = _generate(compiled_step, group(), N, clock,
+                                                                             eager_tokens[:, 1:])
 
     # 4. compare
     prompt_metrics = compare_logits(prompt_ref, prompt_got)
@@ -178,16 +184,19 @@ def _main(args: argparse.Namespace) -> int:
         step_metrics.append(m)
     overall = merge_metrics([prompt_metrics] + step_metrics)
     passed = overall["finite"] and overall["max_abs"] <= tolerance
-    report = fused.report
+    report = CompileReport.combined(encoder.report, decoder.report)
+    cache = group().cache
     result = {
-        "schema": "megafuse.run/1",
+        "schema": "megafuse.run/2",
         "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant, "device": args.device,
         "batch": B, "prompt_len": T, "decode_steps": N, "seed": args.seed, "seq_len": L,
         "passes": names,
         "parameters": params,
-        "graph": {"shape": [B, L], "dynamic": False, "compile_s": compile_s, "graphs_compiled": len(report.graphs),
-                  "note": "one static graph over prompt + decode positions; each call right-pads the known "
-                          "tokens with PAD_ID (the model is causal) and reads its positions"},
+        "cache": {"page_size": layout.page_size, "pages": layout.pages, "slots": layout.slots, "bytes": cache.nbytes()},
+        "graph": {"regions": ["encoder", "decoder"], "buckets": buckets, "dynamic": False, "compile_s": compile_s,
+                  "graphs_compiled": len(report.graphs),
+                  "note": "each region compiles once per bucket; decode steps read the byte cache, one row "
+                          "per request (the sequence is never re-run)"},
         "counts": report.counts(),
         "report": report.to_dict(),
         "comparison": {"prompt": prompt_metrics, "steps": step_metrics, "overall": overall,
@@ -195,9 +204,7 @@ def _main(args: argparse.Namespace) -> int:
         "timing": {
             "method": common.timing_method(args.device), "indicative": args.device != "cuda",
             "eager": _timing(eager_ttft, eager_step_s, B),
-            "compiled": {**_timing(ttft, step_s, B),
-                         "note": f"each call is a full forward over {L} positions (prefill included): decode "
-                                 "re-runs the sequence, there is no compiled incremental decode"},
+            "compiled": _timing(ttft, step_s, B),
         },
         "generated": {"eager": eager_tokens.cpu().tolist(), "compiled": compiled_tokens.cpu().tolist()},
         "exit_status": 0 if passed else 1,
@@ -215,9 +222,10 @@ def _fmt_metrics(m: dict) -> list[str]:
 
 def _print(result: dict, report) -> None:
     console.print(report.table())
-    if result["graph"]["graphs_compiled"] != 1:  # a guard failed: the report sums every graph
-        console.print(f"[yellow]note:[/yellow] {result['graph']['graphs_compiled']} graphs were compiled "
-                      "(a recompile); the counts above add up all of them")
+    expected = 2 * len(result["graph"]["buckets"])
+    console.print(f"counts above: {result['graph']['graphs_compiled']} graphs (2 regions x "
+                  f"{len(result['graph']['buckets'])} buckets" + (")" if result["graph"]["graphs_compiled"] == expected
+                                                                  else f"; {expected} expected: a recompile)"))
     comparison = result["comparison"]
     table = Table(title="compiled vs eager logits, same inputs (decode teacher-forced with eager's tokens)")
     for col in ("", "positions", "max |err|", "cosine min", "top-1", "next token\neager/compiled"):
@@ -232,7 +240,7 @@ def _print(result: dict, report) -> None:
     timing = result["timing"]
     times = Table(title="timing, " + ("wall clock: indicative only on CPU (Triton runs in its interpreter)"
                                       if timing["indicative"] else "CUDA events"))
-    for col in ("", "eager\n(cache decode)", f"compiled\n(full {result['seq_len']}-position forward)"):
+    for col in ("", "eager\n(batched step)", "compiled\n(batched step)"):
         times.add_column(col, justify="right" if col else "left")
     e, c = timing["eager"], timing["compiled"]
     ms = lambda s: "-" if s is None else f"{s * 1e3:.1f} ms"

@@ -104,11 +104,11 @@ def test_non_delayed_block_matches_hf_decoder_layer_mhc():
 
     X = torch.randn(2, 6, N_HC, D)
     expected = hf_layer(X)
-    got, _ = block(X, None, None, None, {}, None, None)
+    got, _ = block(X, None, None, None, {})
     assert torch.allclose(got, expected, atol=ATOL)
     # ... and the delayed (V4.1) block is a different function of the same weights.
     block.delayed = True
-    delayed, _ = block(X, torch.full((2, 6, N_HC), 0.25), None, None, {}, None, None)
+    delayed, _ = block(X, torch.full((2, 6, N_HC), 0.25), None, None, {})
     assert (delayed - expected).abs().max() > 1e-3
 
 

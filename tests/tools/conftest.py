@@ -4,10 +4,12 @@ goes through one session-wide cache in place of `tools.common.compile_model`: th
 
 The cache compiles with a dump directory of its own and copies those graphs to a caller's
 `dump_dir`, so `inspect --out` still writes them. Ablation's `reset_compiler` becomes a no-op (it
-would throw the cached graphs away). Tools must call a cached module with the shape it was compiled
-for (static shapes): `CachedCompile` fails the test on a recompile, which would double the report.
+would throw the cached graphs away). A cached module compiles once per input shape (static shapes:
+the model's regions have a prefill and a decode bucket); `CachedCompile` fails the test when a
+shape it has seen compiles again, which would double the report.
 """
 
+import dataclasses
 import shutil
 
 import pytest
@@ -18,13 +20,27 @@ from megafuse.tools import common
 REAL_COMPILE = common.compile_model  # taken at import, before any test patches it
 
 
+def _shapes(value):
+    """The tensor shapes in a call's arguments (dataclasses, dicts, lists and tuples walked)."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if dataclasses.is_dataclass(value):
+        value = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return tuple(_shapes(v) for v in value)
+    return None
+
+
 class CachedCompile:
-    def __init__(self, fused, own_dump, dump_dir):
-        self.fused, self.own_dump, self.dump_dir = fused, own_dump, dump_dir
+    def __init__(self, fused, own_dump, dump_dir, shapes):
+        self.fused, self.own_dump, self.dump_dir, self.shapes = fused, own_dump, dump_dir, shapes
 
     def __call__(self, *args):
+        self.shapes.add(_shapes(args))
         out = self.fused(*args)
-        assert len(self.fused.report.graphs) == 1, "a tool test recompiled a cached module (a new shape?)"
+        assert len(self.fused.report.graphs) == len(self.shapes), "a tool test recompiled a cached module"
         if self.dump_dir is not None:
             shutil.copytree(self.own_dump, self.dump_dir, dirs_exist_ok=True)
         return out
@@ -48,9 +64,9 @@ class CompileCache:
         key = self.key(module, names, device)
         if key not in self.entries:
             own = self.root / f"graphs{len(self.entries)}"
-            self.entries[key] = (REAL_COMPILE(module, names, device, dump_dir=own), own)
-        fused, own = self.entries[key]
-        return CachedCompile(fused, own, dump_dir)
+            self.entries[key] = (REAL_COMPILE(module, names, device, dump_dir=own), own, set())
+        fused, own, shapes = self.entries[key]
+        return CachedCompile(fused, own, dump_dir, shapes)
 
     def report(self, module, names, device="cpu"):
         return self.entries[self.key(module, names, device)][0].report

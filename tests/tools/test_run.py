@@ -6,12 +6,13 @@ import re
 from pathlib import Path
 
 from megafuse import passes
+from megafuse.model import DecoderRegion, EncoderRegion
 from megafuse.tools import run
 from megafuse.tools.cli import main
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 RUN_KEYS = {"schema", "config", "dtype", "quant", "device", "batch", "prompt_len", "decode_steps", "seed",
-            "seq_len", "passes", "parameters", "graph", "counts", "report", "comparison", "timing", "generated",
+            "seq_len", "passes", "parameters", "cache", "graph", "counts", "report", "comparison", "timing", "generated",
             "exit_status", "environment"}
 METRIC_KEYS = {"positions", "max_abs", "cosine_min", "cosine_mean", "top1_agreement", "finite"}
 TIMING_KEYS = {"ttft_s", "step_s", "per_token_s", "tokens_per_s"}
@@ -21,17 +22,25 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_c
     out = tmp_path / "run.json"
     assert main(["run", "--config", "tiny", "--prompt-len", "6", "--decode", "2", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert set(r) == RUN_KEYS and r["schema"] == "megafuse.run/1"
+    assert set(r) == RUN_KEYS and r["schema"] == "megafuse.run/2"
     for key in RUN_KEYS | METRIC_KEYS | TIMING_KEYS:  # the schema is the one documented
         assert key in run.__doc__, key
     assert (r["config"], r["batch"], r["prompt_len"], r["decode_steps"], r["seq_len"]) == ("tiny", 1, 6, 2, 8)
     assert r["passes"] == passes.available()
-    assert r["graph"]["shape"] == [1, 8] and r["graph"]["graphs_compiled"] == 1 and r["graph"]["compile_s"] > 0
+    graph = r["graph"]
+    assert graph["buckets"] == {"prefill": [6, 6], "decode": [1, 1]} and graph["compile_s"] > 0
+    assert graph["graphs_compiled"] == 4  # 2 regions x 2 buckets, fullgraph, static shapes
 
-    # the counts are the pass report's
-    report = cached_compiles.report(tiny, passes.available())
-    assert r["counts"] == report.counts() == r["report"]["counts"]
-    assert r["counts"]["mega_gate"] == 12  # one gate per MoE layer
+    # the counts are the regions' pass reports, summed over both buckets
+    encoder = cached_compiles.report(EncoderRegion(tiny), passes.available())
+    decoder = cached_compiles.report(DecoderRegion(tiny), passes.available())
+    assert r["counts"] == r["report"]["counts"]
+    assert r["counts"] == {name: encoder.counts()[name] + decoder.counts()[name] for name in r["counts"]}
+    # per bucket: layers 0..6 (encoder) and 7..11 (decoder) each have 2 seams per layer and one gate;
+    # the decoder region ends in the head's collapse, and the encoder region hands its last pre-mix
+    # to the decoder un-collapsed
+    assert encoder.counts() == {"mega_mhc": 2 * 14, "mega_gate": 2 * 7}
+    assert decoder.counts() == {"mega_mhc": 2 * 11, "mega_gate": 2 * 5}
     for name, count in r["counts"].items():
         assert len(r["report"]["per_pass"][name]["matches"]) == count
 
@@ -58,7 +67,7 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_c
         assert timing[side]["ttft_s"] > 0 and timing[side]["tokens_per_s"] > 0
     captured = capsys.readouterr()
     printed = captured.out + captured.err  # results on stdout, progress ("compiling ...") on stderr
-    for words in ("megafuse passes", "compiled vs eager logits", "step 2", "TTFT", "PASS", "compiling the sequence graph"):
+    for words in ("megafuse passes", "compiled vs eager logits", "step 2", "TTFT", "PASS", "compiling the step's 2 regions"):
         assert words in printed
     # the README's sample of `make run` (the same tool on tiny, at 8 + 8 positions): its pass rows
     # and the form of its verdict line are what this run prints
@@ -71,8 +80,8 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_c
 
 
 def test_run_exit_status_follows_the_tolerance(cached_compiles, capsys):
-    # prompt 8, no decode: the same [1, 8] graph as above (no new compile)
-    status = main(["run", "--config", "tiny", "--prompt-len", "8", "--decode", "0", "--tolerance", "0", "--json", "-"])
+    # prompt 6, no decode: the prefill bucket compiled above (no new compile)
+    status = main(["run", "--config", "tiny", "--prompt-len", "6", "--decode", "0", "--tolerance", "0", "--json", "-"])
     captured = capsys.readouterr()
     r = json.loads(captured.out)  # JSON alone on stdout, the tables went to stderr
     exceeded = r["comparison"]["overall"]["max_abs"] > 0
@@ -88,8 +97,8 @@ def test_run_takes_a_config_json_or_a_checkpoint_directory(tmp_path, cached_comp
     (tmp_path / "tiny.json").write_text(json.dumps(tiny.cfg.to_dict()))
     checkpoint = save_checkpoint(tiny, tmp_path / "checkpoint")
     for source in (tmp_path / "tiny.json", checkpoint):
-        # same weights as the cached tiny compile ([1, 8], all passes): no new compile
-        assert main(["run", "--config", str(source), "--prompt-len", "8", "--decode", "0", "--json", "-"]) == 0
+        # same weights as the cached tiny compile (6-row prefill bucket, all passes): no new compile
+        assert main(["run", "--config", str(source), "--prompt-len", "6", "--decode", "0", "--json", "-"]) == 0
         r = json.loads(capsys.readouterr().out)
         assert r["config"] == "tiny" and r["comparison"]["passed"]
-        assert r["counts"] == cached_compiles.report(tiny, passes.available()).counts()
+        assert r["counts"] == {"mega_mhc": 14 + 11, "mega_gate": 7 + 5}
