@@ -134,7 +134,8 @@ class Compressor(nn.Module):
     def __init__(self, cfg: ModelConfig, ratio: int, dtype: torch.dtype):
         super().__init__()
         self.ratio = ratio
-        self.wkv = linear(cfg.dim, cfg.head_dim, dtype if ratio == 1 else torch.float32)
+        # ratio 1 projects with an FP8 GEMM; ratio 2 in fp32
+        self.wkv = linear(cfg.dim, cfg.head_dim, dtype if ratio == 1 else torch.float32, ratio == 1 and cfg.quant == "ref")
         self.wgate = linear(cfg.dim, cfg.head_dim, torch.float32) if ratio > 1 else None
         self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -184,9 +185,10 @@ class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig, owns_keys: bool, dtype: torch.dtype):
         super().__init__()
         self.heads, self.head_dim, self.quant = cfg.index_heads, cfg.index_head_dim, cfg.quant
-        self.wq = linear(cfg.q_lora_rank, cfg.index_heads * cfg.index_head_dim, dtype)
-        self.weights_proj = linear(cfg.dim, cfg.index_heads, dtype)
-        self.wk = linear(cfg.head_dim, cfg.index_head_dim, dtype) if owns_keys else None
+        fp8 = cfg.quant == "ref"
+        self.wq = linear(cfg.q_lora_rank, cfg.index_heads * cfg.index_head_dim, dtype, fp8)
+        self.weights_proj = linear(cfg.dim, cfg.index_heads, dtype)  # a bf16 GEMM in the released model
+        self.wk = linear(cfg.head_dim, cfg.index_head_dim, dtype, fp8) if owns_keys else None
         self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps) if owns_keys else None
 
     def _fp4(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,16 +219,16 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.layer, self.role = cfg, layer, cfg.role(layer)
         self.ratio = cfg.compress_ratios[layer]
-        H, Dh = cfg.n_heads, cfg.head_dim
-        self.wq_a = linear(cfg.dim, cfg.q_lora_rank, dtype)
+        H, Dh, fp8 = cfg.n_heads, cfg.head_dim, cfg.quant == "ref"
+        self.wq_a = linear(cfg.dim, cfg.q_lora_rank, dtype, fp8)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = linear(cfg.q_lora_rank, H * Dh, dtype)
-        self.wkv = linear(cfg.dim, Dh, dtype)
+        self.wq_b = linear(cfg.q_lora_rank, H * Dh, dtype, fp8)
+        self.wkv = linear(cfg.dim, Dh, dtype, fp8)
         self.kv_norm = RMSNorm(Dh, cfg.rms_norm_eps)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         group_width = H // cfg.o_groups * Dh
         self.wo_a = weight((cfg.o_groups, cfg.o_lora_rank, group_width), group_width, dtype)
-        self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dtype)
+        self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dtype, fp8)
         self.compressor = Compressor(cfg, self.ratio, dtype) if self.role == "full" else None
         self.indexer = Indexer(cfg, self.role == "full", dtype) if self.role in ("full", "reindex") else None
         self.register_buffer("rope_freqs", rope_frequencies(cfg, layer), persistent=False)

@@ -229,7 +229,11 @@ def validate(cfg: ModelConfig) -> None:
             _fail(cfg, "rope_dim", f"{cfg.rope_dim} exceeds {name}={getattr(cfg, name)}")
 
     # Quantisation block sizes must divide the dims they cut (MODEL.md section 6).
+    # (MXFP8 quantises the input of every FP8 GEMM along its K: dim, q_lora_rank, head_dim, expert_dim, o_lora_rank.)
     for name, block, fmt in (("dim", FP8_BLOCK, "MXFP8 activation"),
+                             ("q_lora_rank", FP8_BLOCK, "MXFP8 activation"),
+                             ("expert_dim", FP8_BLOCK, "MXFP8 activation"),
+                             ("o_lora_rank", FP8_BLOCK, "MXFP8 activation"),
                              ("head_dim", FP8_BLOCK, "SWA FP8 / MXFP8"),
                              ("head_dim", FP4_BLOCK, "global-KV FP4"),
                              ("index_head_dim", MXFP4_BLOCK, "indexer MXFP4")):

@@ -1,7 +1,10 @@
-"""Small building blocks: RMSNorm (fp32 statistics and weights) and seeded weight creation."""
+"""Small building blocks: RMSNorm (fp32 statistics and weights), seeded weights, FP8 GEMMs."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from .quant import fake_quant_mxfp8
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,7 +31,19 @@ def weight(shape: tuple[int, ...], fan_in: int, dtype: torch.dtype) -> nn.Parame
     return nn.Parameter(torch.empty(shape, dtype=dtype).uniform_(-bound, bound))
 
 
-def linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
-    layer.weight = weight((out_features, in_features), in_features, dtype)
-    return layer
+class Linear(nn.Linear):
+    """A bias-free linear layer; an FP8 GEMM of the released model when `mxfp8_input`: under
+    quant="ref" its input is rounded through MXFP8 (e4m3, ue8m0 per 32 along K) first, as the FP8
+    GEMM reads it (MODEL.md Decision 5). The weight itself stays in the model dtype."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, mxfp8_input: bool = False):
+        super().__init__(in_features, out_features, bias=False, dtype=dtype)
+        self.weight = weight((out_features, in_features), in_features, dtype)
+        self.mxfp8_input = mxfp8_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(fake_quant_mxfp8(x) if self.mxfp8_input else x, self.weight)
+
+
+def linear(in_features: int, out_features: int, dtype: torch.dtype, mxfp8_input: bool = False) -> Linear:
+    return Linear(in_features, out_features, dtype, mxfp8_input)

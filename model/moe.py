@@ -19,6 +19,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers import linear, weight
+from .quant import fake_quant_mxfp8
 
 RENORM_EPS = 1e-20
 
@@ -84,17 +85,23 @@ class Experts(nn.Module):
         super().__init__()
         E, D, F_ = cfg.n_experts, cfg.dim, cfg.expert_dim
         self.limit = cfg.swiglu_limit
+        # FP8 GEMMs: under quant="ref" both projections read MXFP8-rounded inputs (MODEL.md Decision 5)
+        self.mxfp8_inputs = cfg.quant == "ref"
         self.w13 = weight((E, 2 * F_, D), D, dtype)  # [w1 | w3] rows, nn.Linear layout (out, in)
         self.w2 = weight((E, D, F_), F_, dtype)
+
+    def _fp8(self, x: torch.Tensor) -> torch.Tensor:
+        return fake_quant_mxfp8(x) if self.mxfp8_inputs else x
 
     def forward(self, u: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         n_tokens, k = idx.shape
         slot_expert = idx.flatten()
+        out_dtype, u = u.dtype, self._fp8(u)
         if self.w13.dtype == torch.bfloat16:
             out = self._grouped(u, weights.flatten(), slot_expert, k)
         else:
             out = self._gathered(u, weights.flatten(), slot_expert, k)
-        return out.view(n_tokens, k, -1).sum(dim=1).to(u.dtype)
+        return out.view(n_tokens, k, -1).sum(dim=1).to(out_dtype)
 
     def _grouped(self, u, slot_weight, slot_expert, k):
         order = torch.argsort(slot_expert, stable=True)
@@ -104,13 +111,13 @@ class Experts(nn.Module):
         offsets = counts.cumsum(0, dtype=torch.int32)
         gate_up = torch._grouped_mm(tokens, self.w13.transpose(-2, -1), offs=offsets)
         act = clamped_swiglu(gate_up, self.limit) * slot_weight[order, None]
-        down = torch._grouped_mm(act.to(self.w2.dtype), self.w2.transpose(-2, -1), offs=offsets)
+        down = torch._grouped_mm(self._fp8(act).to(self.w2.dtype), self.w2.transpose(-2, -1), offs=offsets)
         return down.float()[torch.argsort(order)]
 
     def _gathered(self, u, slot_weight, slot_expert, k):
         tokens = u.float().repeat_interleave(k, dim=0)
         gate_up = torch.bmm(self.w13[slot_expert].float(), tokens.unsqueeze(-1)).squeeze(-1)
-        act = clamped_swiglu(gate_up, self.limit) * slot_weight[:, None]
+        act = self._fp8(clamped_swiglu(gate_up, self.limit) * slot_weight[:, None])
         return torch.bmm(self.w2[slot_expert].float(), act.unsqueeze(-1)).squeeze(-1)
 
 
@@ -118,8 +125,9 @@ class SharedExpert(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.limit = cfg.swiglu_limit
-        self.w13 = linear(cfg.dim, 2 * cfg.expert_dim, dtype)
-        self.w2 = linear(cfg.expert_dim, cfg.dim, dtype)
+        fp8 = cfg.quant == "ref"
+        self.w13 = linear(cfg.dim, 2 * cfg.expert_dim, dtype, fp8)
+        self.w2 = linear(cfg.expert_dim, cfg.dim, dtype, fp8)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         return self.w2(clamped_swiglu(self.w13(u), self.limit).to(u.dtype))

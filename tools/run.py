@@ -101,7 +101,8 @@ def _layout(batch: int, seq_len: int) -> CacheLayout:
 def _generate(run, group: SequenceGroup, steps: int, clock: Stopwatch, forced: torch.Tensor | None = None):
     """Prefill every sequence of `group`, then `steps` decode steps of one row each: prompt logits
     [B, T, V], per-step logits [B, V], greedy tokens [B, steps + 1], TTFT and step times. With
-    `forced` [B, steps], those tokens are fed instead of the greedy ones (teacher forcing)."""
+    `forced` [B, steps], step k feeds forced[:, k] instead of the previous greedy token (teacher
+    forcing: pass the greedy tokens of another run)."""
     B, T = len(group.sequences), len(group.sequences[0].tokens)
     (_, prompt_logits), ttft = clock(group.step, run, [(i, T, True) for i in range(B)])
     prompt_logits = torch.stack(prompt_logits)
@@ -168,12 +169,12 @@ def _main(args: argparse.Namespace) -> int:
             return decoder(*encoder(batch, cache), batch, cache)
 
         with step(f"compiling the step's 2 regions for {' and '.join(buckets)} with {', '.join(names) or 'no passes'}"):
-            _, compile_s = clock(_generate, compiled_step, group(), min(N, 1), clock, eager_tokens[:, 1:2])
+            _, compile_s = clock(_generate, compiled_step, group(), min(N, 1), clock, eager_tokens[:, :1])
 
         # 3. compiled prefill and incremental decode, teacher-forced with eager's tokens
         with step(f"compiled: prefill and {N} incremental decode steps"):
             prompt_got, steps_got, compiled_tokens, ttft, step_s = _generate(compiled_step, group(), N, clock,
-                                                                             eager_tokens[:, 1:])
+                                                                             eager_tokens[:, :N])
 
     # 4. compare
     prompt_metrics = compare_logits(prompt_ref, prompt_got)

@@ -1,14 +1,15 @@
 """GPU checks of the model (skipped without CUDA; run on the H200 with `pytest tests/model/test_gpu.py`).
 
 The proxy preset has the full V4.1-Flash widths, so these are the real kernel shapes: bf16
-activations stay finite and non-degenerate through every layer, incremental decode agrees with
-prefill, and the whole model compiles with fullgraph and agrees with eager.
+activations stay finite and non-degenerate through every layer, incremental decode through the
+batched step and the byte cache agrees with the plain forward, and the whole model compiles with
+fullgraph and agrees with eager.
 """
 
 import pytest
 import torch
 
-from megafuse.model import build_model, preset
+from megafuse.model import CacheLayout, SequenceGroup, build_model, preset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -22,14 +23,26 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _decode_through_the_cache(model, ids, prompt_len):
+    """Prefill ids[:, :prompt_len] in one step, then one decode step per later token: logits [B, L, V]."""
+    B, L = ids.shape
+    layout = CacheLayout(slots=B, pages=B * (-(-L // 64)), page_size=64, max_pages=-(-L // 64))
+    group = SequenceGroup(model.cfg, layout, ids.tolist(), "cuda")
+    _, first = group.step(model.step, [(i, prompt_len, True) for i in range(B)])
+    outs = [torch.stack(first)]
+    for _ in range(prompt_len, L):
+        _, rows = group.step(model.step, [(i, 1, True) for i in range(B)])
+        outs.append(torch.stack(rows))
+    return torch.cat(outs, dim=1)
+
+
 def test_tiny_fp32_decode_and_compile_on_cuda():
     cfg = preset("tiny").replace(quant="none")
     model = build_model(cfg, seed=0, device="cuda")
     ids = _ids(cfg, 2, 40)
     with torch.no_grad():
         full = model(ids)
-        cache = model.new_cache(2)
-        stepped = torch.cat([model(ids[:, :4], cache)] + [model(ids[:, t:t + 1], cache) for t in range(4, 40)], 1)
+        stepped = _decode_through_the_cache(model, ids, 4)
         compiled = torch.compile(model, fullgraph=True)(ids)
     assert (stepped - full).abs().max().item() <= 1e-4
     assert (compiled - full).abs().max().item() <= 1e-4
@@ -65,8 +78,7 @@ def test_proxy_decode_agrees_with_prefill(proxy):
     ids = _ids(cfg, 1, 160, seed=1)  # past the 128-row window
     with torch.no_grad():
         full = proxy(ids)
-        cache = proxy.new_cache(1)
-        stepped = torch.cat([proxy(ids[:, :140], cache)] + [proxy(ids[:, t:t + 1], cache) for t in range(140, 160)], 1)
+        stepped = _decode_through_the_cache(proxy, ids, 140)
     rel = _rel(stepped[:, 140:], full[:, 140:])
     print(f"proxy decode vs prefill: rel {rel:.2e}")
     assert rel < 3e-2  # bf16 with FP8/FP4 fake quantisation: rounding-boundary flips only

@@ -1,0 +1,169 @@
+"""H200: one batched step of a full-depth preset, eager and compiled with the passes.
+
+    python3 -m megafuse.tools.bench_step --config flash-lite --out results/step/bench.json
+    python3 -m megafuse.tools.bench_step --config tiny --chunk 64 --decodes 4 --context 24 --dry-run   # CPU
+
+The step a serving engine runs most under load: one prefill chunk of a new request (`--chunk`
+tokens, final, decoder trimmed to its last W rows) together with one decode row for each of
+`--decodes` running requests at `--context` tokens. Stages, each saved as it finishes:
+
+1. build: the preset on the device, seeded weights; the bytes the weights take;
+2. fill: eager steps prefill the running requests (at most 4096 rows a step), so the measured
+   step's decodes read real cache rows;
+3. eager: the measured step (`model.step`), CUDA-event median of `--repeat` runs after a warm-up;
+4. compiled: the step's two regions through `passes.compile` (fullgraph, static shapes, every
+   pass): compile time (the first call), the pass counts, median step time, max |logits error|
+   against eager relative to the logits' scale;
+5. memory: peak allocated over the run, the weights, the byte cache.
+
+The measured step is the same batch each time (its cache writes rewrite the same rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+
+import torch
+
+from megafuse import passes
+from megafuse.model import CacheLayout, DecoderRegion, EncoderRegion, SequenceGroup, build_model, resolve_config
+from megafuse.model.stats import device_parameter_bytes
+from megafuse.tools.bench_common import Stages, default_out, require_cuda
+from megafuse.tools.output import environment
+
+PAGE_SIZE = 64
+FILL_ROWS = 4096  # rows per eager fill step: the indexer's per-row key gather grows with rows x context
+
+
+def _median_s(fn, repeat: int, device: str) -> float:
+    times = []
+    for _ in range(repeat):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m megafuse.tools.bench_step", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="flash-lite", help="preset, config JSON or checkpoint dir (default flash-lite)")
+    parser.add_argument("--chunk", type=int, default=4096, help="prefill chunk tokens (default 4096)")
+    parser.add_argument("--decodes", type=int, default=32, help="decode rows, one per running request (default 32)")
+    parser.add_argument("--context", type=int, default=512, help="tokens each running request holds (default 512)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per side (default 5)")
+    parser.add_argument("--out", help="results JSON (default results/step/bench.json)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, no timing claims: checks the stages run")
+    args = parser.parse_args(argv)
+    require_cuda(parser, args.dry_run)
+    for name in ("chunk", "decodes", "context", "repeat"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    device = "cpu" if args.dry_run else "cuda"
+    out = args.out or default_out("step", args.dry_run)
+    cfg = resolve_config(args.config)
+    D, C, N = args.decodes, args.context, args.chunk
+    max_pages = -(-max(N, C + 1) // PAGE_SIZE)
+    layout = CacheLayout(slots=D + 1, pages=(D + 1) * max_pages, page_size=PAGE_SIZE, max_pages=max_pages)
+    results = {"schema": "megafuse.bench_step/1", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
+               "step": {"prefill_chunk": N, "decodes": D, "decode_context": C,
+                        "rows": N + D, "decoder_rows": min(N, cfg.window) + D},
+               "cache_layout": vars(layout) | {"max_tokens": layout.max_tokens},
+               "date": datetime.date.today().isoformat(), "environment": environment()}
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    stages = Stages(results, out, log)
+    state: dict = {}
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (C + 1,), generator=g).tolist() for _ in range(D)]
+    prompts.append(torch.randint(0, cfg.vocab_size, (N,), generator=g).tolist())
+    measured_plan = [(i, 1, True) for i in range(D)] + [(D, N, True)]
+
+    def build():
+        t0 = time.time()
+        with torch.no_grad():
+            state["model"] = build_model(cfg, seed=0, device=device)
+        return {"seconds": round(time.time() - t0, 1), "weights_on_device_bytes": device_parameter_bytes(cfg)}
+
+    def fresh_group():
+        """Running requests prefilled to `context` tokens (eager); the new request not yet run."""
+        group = SequenceGroup(cfg, layout, prompts, device)
+        per_step = max(1, FILL_ROWS // C)
+        with torch.no_grad():
+            for first in range(0, D, per_step):
+                group.step(state["model"].step, [(i, C, True) for i in range(first, min(D, first + per_step))], trim=True)
+        return group
+
+    def measured(group):
+        """The measured step's batch (built once; each run rewrites the same cache rows)."""
+        from megafuse.model import build_step, page_table
+
+        chunks = [group.sequences[i].chunk(n, final, trim=True) for i, n, final in measured_plan]
+        return build_step(cfg, layout, chunks, page_table(layout, group.sequences), device=device)
+
+    def fill():
+        t0 = time.time()
+        state["eager_group"] = fresh_group()
+        state["batch"] = measured(state["eager_group"])
+        return {"seconds": round(time.time() - t0, 1)}
+
+    def eager():
+        model, batch, cache = state["model"], state["batch"], state["eager_group"].cache
+        with torch.no_grad():
+            state["eager_logits"] = model.step(batch, cache)
+            step_s = _median_s(lambda: model.step(batch, cache), args.repeat, device)
+        return {"step_s": step_s}
+
+    def compiled():
+        model = state["model"]
+        encoder = passes.compile(EncoderRegion(model), fullgraph=True, dynamic=False)
+        decoder = passes.compile(DecoderRegion(model), fullgraph=True, dynamic=False)
+        group = fresh_group()
+        batch = measured(group)
+
+        def step():
+            return decoder(*encoder(batch, group.cache), batch, group.cache)
+
+        with torch.no_grad():
+            t0 = time.time()
+            logits = step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            compile_s = time.time() - t0
+            step_s = _median_s(step, args.repeat, device)
+        ref = state["eager_logits"]
+        err = (logits.float() - ref.float()).abs().max().item()
+        return {"compile_s": round(compile_s, 1), "step_s": step_s,
+                "speedup_vs_eager": results["eager"]["step_s"] / step_s if results.get("eager") else None,
+                "counts": {"encoder": encoder.report.counts(), "decoder": decoder.report.counts()},
+                "graphs": len(encoder.report.graphs) + len(decoder.report.graphs),
+                "max_abs_logits_error": err, "logits_abs_max": ref.float().abs().max().item(),
+                "top1_agreement": (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+
+    def memory():
+        cache = state["eager_group"].cache.nbytes()
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+        return {"peak_allocated_bytes": peak, "cache_bytes": cache,
+                "weights_on_device_bytes": device_parameter_bytes(cfg)}
+
+    for name, fn in (("build", build), ("fill", fill), ("eager", eager), ("compiled", compiled), ("memory", memory)):
+        stages.run(name, fn)
+        if not results["stages"][name]["ok"] and name in ("build", "fill"):
+            break
+    log(f"wrote {out}")
+    return 0 if all(s["ok"] for s in results["stages"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
