@@ -8,13 +8,15 @@ tokens, final, decoder trimmed to its last W rows) together with one decode row 
 `--decodes` running requests at `--context` tokens. Stages, each saved as it finishes:
 
 1. build: the preset on the device, seeded weights; the bytes the weights take;
-2. fill: eager steps prefill the running requests (at most 4096 rows a step), so the measured
-   step's decodes read real cache rows;
-3. eager: the measured step (`model.step`), CUDA-event median of `--repeat` runs after a warm-up;
-4. compiled: the step's two regions through `passes.compile` (fullgraph, static shapes, every
-   pass): compile time (the first call), the pass counts, median step time, max |logits error|
-   against eager relative to the logits' scale;
-5. memory: peak allocated over the run, the weights, the byte cache.
+2. compiled: eager steps prefill the running requests (at most 4096 rows a step), so the measured
+   step's decodes read real cache rows; then the step's two regions through `passes.compile`
+   (fullgraph, static shapes, every pass): compile time (the first call), the pass counts, the
+   CUDA-event median of `--repeat` steps and the peak memory allocated while they ran;
+3. eager: the same on a fresh cache with `model.step` (after one untimed step);
+4. compare: compiled against eager logits (max |error|, top-1 agreement). Under quant="ref" the
+   two differ where a value sits on a rounding boundary of a fake-quantised format or index
+   scores tie to the last bit (the top-k then picks other entries): compare quant="none" runs
+   (`--quant none`) for agreement to fp rounding.
 
 The measured step is the same batch each time (its cache writes rewrite the same rows).
 """
@@ -29,7 +31,8 @@ import time
 import torch
 
 from megafuse import passes
-from megafuse.model import CacheLayout, DecoderRegion, EncoderRegion, SequenceGroup, build_model, resolve_config
+from megafuse.model import (CacheLayout, DecoderRegion, EncoderRegion, SequenceGroup, build_model, build_step,
+                            page_table, resolve_config)
 from megafuse.model.stats import device_parameter_bytes
 from megafuse.tools.bench_common import Stages, default_out, require_cuda
 from megafuse.tools.output import environment
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decodes", type=int, default=32, help="decode rows, one per running request (default 32)")
     parser.add_argument("--context", type=int, default=512, help="tokens each running request holds (default 512)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per side (default 5)")
+    parser.add_argument("--quant", choices=("ref", "none"), help="override the config's quant mode")
     parser.add_argument("--out", help="results JSON (default results/step/bench.json)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, no timing claims: checks the stages run")
     args = parser.parse_args(argv)
@@ -74,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.dry_run else "cuda"
     out = args.out or default_out("step", args.dry_run)
     cfg = resolve_config(args.config)
+    if args.quant:
+        cfg = cfg.replace(quant=args.quant)
     D, C, N = args.decodes, args.context, args.chunk
     max_pages = -(-max(N, C + 1) // PAGE_SIZE)
     layout = CacheLayout(slots=D + 1, pages=(D + 1) * max_pages, page_size=PAGE_SIZE, max_pages=max_pages)
@@ -107,59 +113,52 @@ def main(argv: list[str] | None = None) -> int:
 
     def measured(group):
         """The measured step's batch (built once; each run rewrites the same cache rows)."""
-        from megafuse.model import build_step, page_table
-
         chunks = [group.sequences[i].chunk(n, final, trim=True) for i, n, final in measured_plan]
         return build_step(cfg, layout, chunks, page_table(layout, group.sequences), device=device)
 
-    def fill():
-        t0 = time.time()
-        state["eager_group"] = fresh_group()
-        state["batch"] = measured(state["eager_group"])
-        return {"seconds": round(time.time() - t0, 1)}
-
-    def eager():
-        model, batch, cache = state["model"], state["batch"], state["eager_group"].cache
+    def timed(run, group, batch):
+        """(first call's logits, its seconds, median step seconds, peak bytes while timing)."""
         with torch.no_grad():
-            state["eager_logits"] = model.step(batch, cache)
-            step_s = _median_s(lambda: model.step(batch, cache), args.repeat, device)
-        return {"step_s": step_s}
+            t0 = time.time()
+            logits = run(batch, group.cache)
+            if device == "cuda":
+                torch.cuda.synchronize()
+                first_s = time.time() - t0
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                first_s = time.time() - t0
+            step_s = _median_s(lambda: run(batch, group.cache), args.repeat, device)
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+        return logits, first_s, step_s, peak
 
     def compiled():
         model = state["model"]
         encoder = passes.compile(EncoderRegion(model), fullgraph=True, dynamic=False)
         decoder = passes.compile(DecoderRegion(model), fullgraph=True, dynamic=False)
         group = fresh_group()
-        batch = measured(group)
-
-        def step():
-            return decoder(*encoder(batch, group.cache), batch, group.cache)
-
-        with torch.no_grad():
-            t0 = time.time()
-            logits = step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            compile_s = time.time() - t0
-            step_s = _median_s(step, args.repeat, device)
-        ref = state["eager_logits"]
-        err = (logits.float() - ref.float()).abs().max().item()
-        return {"compile_s": round(compile_s, 1), "step_s": step_s,
-                "speedup_vs_eager": results["eager"]["step_s"] / step_s if results.get("eager") else None,
+        logits, compile_s, step_s, peak = timed(lambda b, c: decoder(*encoder(b, c), b, c), group, measured(group))
+        state["compiled_logits"] = logits
+        state["cache_bytes"] = group.cache.nbytes()
+        return {"compile_s": round(compile_s, 1), "step_s": step_s, "peak_allocated_bytes": peak,
                 "counts": {"encoder": encoder.report.counts(), "decoder": decoder.report.counts()},
-                "graphs": len(encoder.report.graphs) + len(decoder.report.graphs),
-                "max_abs_logits_error": err, "logits_abs_max": ref.float().abs().max().item(),
-                "top1_agreement": (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+                "graphs": len(encoder.report.graphs) + len(decoder.report.graphs)}
 
-    def memory():
-        cache = state["eager_group"].cache.nbytes()
-        peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-        return {"peak_allocated_bytes": peak, "cache_bytes": cache,
-                "weights_on_device_bytes": device_parameter_bytes(cfg)}
+    def eager():
+        group = fresh_group()
+        logits, _, step_s, peak = timed(state["model"].step, group, measured(group))
+        state["eager_logits"] = logits
+        return {"step_s": step_s, "peak_allocated_bytes": peak}
 
-    for name, fn in (("build", build), ("fill", fill), ("eager", eager), ("compiled", compiled), ("memory", memory)):
+    def compare():
+        got, ref = state["compiled_logits"].float(), state["eager_logits"].float()
+        return {"max_abs_logits_error": (got - ref).abs().max().item(), "logits_abs_max": ref.abs().max().item(),
+                "top1_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                "speedup_compiled_vs_eager": results["eager"]["step_s"] / results["compiled"]["step_s"],
+                "cache_bytes": state["cache_bytes"]}
+
+    for name, fn in (("build", build), ("compiled", compiled), ("eager", eager), ("compare", compare)):
         stages.run(name, fn)
-        if not results["stages"][name]["ok"] and name in ("build", "fill"):
+        if not results["stages"][name]["ok"] and name == "build":
             break
     log(f"wrote {out}")
     return 0 if all(s["ok"] for s in results["stages"].values()) else 1
