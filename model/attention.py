@@ -337,7 +337,7 @@ class Attention(nn.Module):
         ring.index_put_((torch.where(newest, rows.slots, ring.shape[0] - 1), rows.positions.remainder(W)), new)
         return window, valid
 
-    def _step_publish(self, u, rows, page_table, cache: KVCache) -> None:
+    def publish(self, u, rows, page_table, cache: KVCache) -> None:
         """Full layers: write the entries and index keys completed by this step's new rows."""
         latents = self.compressor.step(u[0], rows, cache.compressor.get(self.layer))  # [R, Dh]
         entry = torch.div(rows.positions, self.ratio, rounding_mode="floor")
@@ -348,8 +348,10 @@ class Attention(nn.Module):
                             (cache.index_keys, self.codecs["index_keys"].encode(self.indexer.key_values(latents, angles)))):
             write_entries(pool[self.layer], page_table, rows.slots, entry, write, value)
 
-    def step(self, u: torch.Tensor, rows: Rows, page_table: torch.Tensor, cache: KVCache, shared: dict):
-        """u [1, R, D] for the rows of a batched step; reads and writes `cache` (see the module doc)."""
+    def step(self, u: torch.Tensor, rows: Rows, page_table: torch.Tensor, cache: KVCache, shared: dict,
+             publish: bool = True):
+        """u [1, R, D] for the rows of a batched step; reads and writes `cache` (see the module doc).
+        `publish=False`: a full layer's entries were written already (`publish`, from more rows)."""
         cfg = self.cfg
         angles = self._angles(rows.positions)[None]
         qr, q, swa_value = self._project(u, angles)
@@ -357,8 +359,8 @@ class Attention(nn.Module):
 
         if self.role != "swa":
             source = cfg.kv_source(self.layer)
-            if self.role == "full":
-                self._step_publish(u, rows, page_table, cache)
+            if self.role == "full" and publish:
+                self.publish(u, rows, page_table, cache)
             if self.indexer is not None:
                 # every entry the request's pages can hold; visibility masks the rest
                 index_keys = cache.index_keys[source][page_table[rows.slots]].flatten(1, 2)

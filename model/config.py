@@ -78,6 +78,9 @@ class ModelConfig:
     index_source_layers: tuple[int, ...] = (2, 4, 6, 9)
     candidate_blocks: int = 4
     candidate_block_size: int = 2
+    # Decoder trim (MODEL.md Decision 2): False trims from layer L/2 + 1; True also runs layer L/2's
+    # query, attention and FFN on the decoder rows only (its compressor and index keys on every row)
+    trim_kv_layer: bool = False
     index_heads: int = 4
     index_head_dim: int = 32
     index_topk: int = 6

@@ -52,24 +52,43 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.moe = MoE(cfg, dtype)
 
-    def _run(self, streams, pre, engram, attention):
+    def _attention_site(self, streams, pre, engram):
+        """(streams after Engram, the attention input u, the site's coefficients p_a, q_a, c_a)."""
         if self.engram is not None:
             streams = engram(self.engram, streams)
         p_a, q_a, c_a = self.attn_hc(streams)
         u = self.attn_norm(hc_pre(streams, pre if self.delayed else p_a))
-        streams = hc_post(attention(u), streams, q_a, c_a)
+        return streams, u, p_a, q_a, c_a
+
+    def _ffn_site(self, streams, p_a):
         p_f, q_f, c_f = self.ffn_hc(streams)
         u = self.ffn_norm(hc_pre(streams, p_a if self.delayed else p_f))
-        streams = hc_post(self.moe(u), streams, q_f, c_f)
-        return streams, p_f
+        return hc_post(self.moe(u), streams, q_f, c_f), p_f
 
     def forward(self, streams, pre, ids, positions, shared):
-        return self._run(streams, pre, lambda engram, x: engram(x, ids),
-                         lambda u: self.attn(u, positions, shared))
+        streams, u, p_a, q_a, c_a = self._attention_site(streams, pre, lambda engram, x: engram(x, ids))
+        return self._ffn_site(hc_post(self.attn(u, positions, shared), streams, q_a, c_a), p_a)
+
+    @staticmethod
+    def _engram_rows(rows: Rows):
+        return lambda engram, x: engram.inject(x, engram.lookup_windows(rows.ngram_ids[None]))
 
     def step(self, streams, pre, rows: Rows, page_table, cache: KVCache, shared):
-        return self._run(streams, pre, lambda engram, x: engram.inject(x, engram.lookup_windows(rows.ngram_ids[None])),
-                         lambda u: self.attn.step(u, rows, page_table, cache, shared))
+        streams, u, p_a, q_a, c_a = self._attention_site(streams, pre, self._engram_rows(rows))
+        attended = self.attn.step(u, rows, page_table, cache, shared)
+        return self._ffn_site(hc_post(attended, streams, q_a, c_a), p_a)
+
+    def step_trimmed(self, streams, pre, batch: StepBatch, cache: KVCache, shared):
+        """The kv layer under `trim_kv_layer`: its compressor and index keys see every row; its
+        query, attention and FFN only the decoder rows (returned: streams, pre of those rows)."""
+        streams, u, p_a, q_a, c_a = self._attention_site(streams, pre, self._engram_rows(batch.rows))
+        self.attn.publish(u, batch.rows, batch.page_table, cache)
+        keep = batch.decoder_index
+        streams, u, p_a, q_a, c_a = (t[:, keep] for t in (streams, u, p_a, q_a, c_a))
+        if keep.numel() == 0:  # a non-final chunk: nothing more to run (the bucket fixes this branch)
+            return streams, p_a
+        attended = self.attn.step(u, batch.decoder, batch.page_table, cache, shared, publish=False)
+        return self._ffn_site(hc_post(attended, streams, q_a, c_a), p_a)
 
 
 class Transformer(nn.Module):
@@ -113,16 +132,19 @@ class Transformer(nn.Module):
         return self._logits(streams, pre)
 
     def encoder_region(self, batch: StepBatch, cache: KVCache):
-        """Layers 0..L/2 on every row; returns (streams, pre, shared) of the decoder rows only."""
-        rows = batch.rows
+        """Layers 0..L/2 on every row (with `trim_kv_layer`, layer L/2 only writes its global KV
+        from every row); returns (streams, pre, shared) of the decoder rows only."""
+        rows, trim_kv_layer = batch.rows, self.cfg.trim_kv_layer
         streams, pre = self._embed(rows.ids[None])
         shared: dict = {}
-        for block in self.layers[: self.decoder_start]:
+        for block in self.layers[: self.decoder_start - trim_kv_layer]:
             streams, pre = block.step(streams, pre, rows, batch.page_table, cache, shared)
         keep = batch.decoder_index
         # The decoder reads the top-k and candidate blocks the encoder's index sources published.
         shared = {layer: {name: value[:, keep] for name, value in published.items()}
                   for layer, published in shared.items() if "topk" in published}
+        if trim_kv_layer:
+            return (*self.layers[self.decoder_start - 1].step_trimmed(streams, pre, batch, cache, shared), shared)
         return streams[:, keep], pre[:, keep], shared
 
     def decoder_region(self, streams, pre, shared: dict, batch: StepBatch, cache: KVCache) -> torch.Tensor:

@@ -27,6 +27,7 @@ def printed_claims(block: str) -> list[str]:
 def test_the_readme_has_the_blocks_this_test_runs():
     blocks = python_blocks()
     assert len(blocks) == 2, "a Python block was added or removed: run it here too"
+    assert printed_claims(blocks[0]) == ["torch.Size([8, 1024]) 24"]
     assert printed_claims(blocks[1]) == ["{'mega_mhc': 25, 'mega_gate': 12}"]
 
 
@@ -39,9 +40,13 @@ def test_every_python_block_runs_as_written_and_prints_what_the_readme_says():
         with contextlib.redirect_stdout(out), torch.enable_grad():  # as a reader runs them (the suite runs under no_grad)
             exec(compile(block, str(README), "exec"), namespace)
         assert out.getvalue().splitlines() == printed_claims(block), block
-    # what the blocks' comments say of their results: [1, 32, vocab] logits, one decode step a token
-    assert namespace["logits"].shape == (1, 32, namespace["cfg"].vocab_size)
-    assert [s.shape[1] for s in namespace["step"]] == [8] + [1] * 24
+    # what the blocks' comments say of their results: [1, 32, vocab] logits, one decode step a token,
+    # and the steps reproduce the one-shot prefill
+    vocab = namespace["cfg"].vocab_size
+    assert namespace["logits"].shape == (1, 32, vocab)
+    assert [tuple(d.shape) for d in namespace["decoded"]] == [(1, vocab)] * 24
+    stepped = torch.cat([namespace["prefill"]] + namespace["decoded"])
+    assert (stepped - namespace["logits"][0]).abs().max().item() <= 2e-2  # quant="ref": see tests/model/test_step.py
     assert not namespace["logits"].requires_grad  # passes.compile compiles for inference
 
 
