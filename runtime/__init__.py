@@ -1,1 +1,7 @@
-"""Serving-side execution: paged caches, the prefill planner for bounded replay, CUDA graphs."""
+"""Serving: continuous batching over the model's batched step, a paged byte cache with a prefix
+cache of global KV, bounded replay and the trimmed decoder (RUNTIME.md)."""
+
+from .engine import Engine, EngineStats, RequestError, SamplingParams
+from .kv_cache import PagePool, PrefixCache
+
+__all__ = ["Engine", "EngineStats", "PagePool", "PrefixCache", "RequestError", "SamplingParams"]

@@ -1,0 +1,271 @@
+"""The engine: continuous batching of requests over the model's batched step and byte cache.
+
+    engine = Engine(model, layout=CacheLayout(...))
+    outputs = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)    # greedy by default
+
+Each `step()`:
+
+1. decodes first: every running request whose prefill is done gets one row (its newest token);
+2. then prefill chunks, FCFS, under `token_budget` rows: a request is admitted when a slot is free;
+   with the prefix cache its longest cached run of full pages is reused and it replays from
+   `replay_start = H - min(W, H)` (bounded) or `H - min(L x W, H)` (exact: swa_bounded_replay=False),
+   MODEL.md section 8;
+3. pages for the new positions come from the free list, then from evicting cached pages no request
+   holds (LRU); when none are left the newest running request admitted after the one in need is
+   preempted: its pages and slot are released and it goes back to the front of the queue to be
+   recomputed (its output so far is kept). A newly admitted request that finds no pages waits;
+4. the model runs the step (`run(batch, cache)`: `model.step` or compiled regions); each request
+   whose final prefill chunk or decode ran samples its next token from its last decoder row;
+5. full pages a request wrote are published to the prefix cache; finished requests release theirs.
+
+A request that can never fit (prompt + max_new_tokens beyond one request's page table or the whole
+pool) is rejected at `add_request` with the reason; bad input raises `RequestError` naming it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from megafuse.model import CacheLayout, KVCache, Sequence, build_step, page_table
+
+from .kv_cache import PagePool, PrefixCache
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; the message names the problem and the valid range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Greedy when temperature == 0; else softmax(logits / temperature) cut to the top_p nucleus."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def check(self) -> None:
+        if not self.temperature >= 0:
+            raise RequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    output: list[int] = field(default_factory=list)
+    sequence: Sequence | None = None  # while it holds a slot
+    generator: torch.Generator | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefix_hits: int = 0
+    hit_tokens: int = 0
+    replayed_tokens: int = 0
+    trimmed_tokens: int = 0  # prefill rows that skipped the decoder layers
+    preemptions: int = 0
+    evictions: int = 0
+
+
+class Engine:
+    def __init__(self, model, *, layout: CacheLayout, prefix_cache: bool = True, swa_bounded_replay: bool = True,
+                 trim_decoder: bool = True, token_budget: int = 256, run=None):
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        self.model, self.cfg, self.layout = model, model.cfg, layout
+        self.device = model.embed.weight.device
+        self.cache = KVCache.allocate(self.cfg, layout, self.device)
+        self.pages = PrefixCache(PagePool(layout.pages), layout.page_size)
+        self.prefix_cache, self.trim, self.token_budget = prefix_cache, trim_decoder, token_budget
+        self.replay = self.cfg.window if swa_bounded_replay else self.cfg.n_layers * self.cfg.window
+        self.run = run or model.step
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(layout.slots - 1, -1, -1))
+        self.requests: dict[int, Request] = {}
+        self.stats = EngineStats()
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams | None = None) -> int:
+        sampling = sampling or SamplingParams()
+        sampling.check()
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise RequestError("the prompt is empty; a request needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} lie outside 0..{self.cfg.vocab_size - 1}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise RequestError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        # the last generated token is never fed back, so a request holds at most this many positions
+        need = len(prompt) + max_new_tokens - 1
+        limit = min(self.layout.max_tokens, self.layout.pages * self.layout.page_size)
+        if need > limit:
+            raise RequestError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) needs {need} positions; "
+                               f"the cache holds at most {limit} for one request")
+        request = Request(len(self.requests), prompt, max_new_tokens, sampling)
+        if sampling.temperature > 0:
+            request.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        self.requests[request.id] = request
+        self.waiting.append(request)
+        return request.id
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 sampling: SamplingParams | None = None) -> list[list[int]]:
+        ids = [self.add_request(p, max_new_tokens, sampling) for p in prompts]
+        while self.waiting or self.running:
+            self.step()
+        return [self.requests[i].output for i in ids]
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def _pages_for(self, request: Request, end: int) -> bool:
+        """Give the request pages up to position end - 1; False when the pool (after eviction) cannot."""
+        seq = request.sequence
+        missing = -(-end // self.layout.page_size) - len(seq.pages)
+        if missing <= 0:
+            return True
+        before = self.pages.evicted
+        pages = self.pages.allocate(missing)
+        self.stats.evictions += self.pages.evicted - before
+        if pages is None:
+            return False
+        seq.pages += pages
+        return True
+
+    def _release(self, request: Request) -> None:
+        seq = request.sequence
+        self.pages.release(seq.pages)
+        self.free_slots.append(seq.slot)
+        request.sequence = None
+        self.running.remove(request)
+
+    def _preempt(self, victim: Request) -> None:
+        """Free a running request for recompute: back to the front of the queue, output kept."""
+        self._release(victim)
+        self.waiting.appendleft(victim)
+        self.stats.preemptions += 1
+
+    def _admit(self, request: Request) -> None:
+        tokens = request.prompt + request.output  # a preempted request recomputes what it generated
+        seq = Sequence(self.free_slots.pop(), tokens, self.cfg.window)
+        request.sequence = seq
+        self.running.append(request)
+        if self.prefix_cache:
+            hit_pages = self.pages.lookup(tokens)
+            # keep at least one token to run: its logits give the next token
+            usable = min(len(hit_pages), (len(tokens) - 1) // self.layout.page_size)
+            self.pages.release(hit_pages[usable:])
+            seq.pages = hit_pages[:usable]
+            hit = usable * self.layout.page_size
+            if hit:
+                seq.resume_from_cache(hit, self.replay)
+                self.stats.prefix_hits += 1
+                self.stats.hit_tokens += hit
+                self.stats.replayed_tokens += hit - seq.replay_start
+
+    def _schedule(self) -> list[tuple[Request, int, bool]]:
+        plan: list[tuple[Request, int, bool]] = []
+        planned: set[int] = set()
+        budget = self.token_budget
+
+        def room(request: Request, end: int) -> bool:
+            """Pages up to `end`, preempting running requests admitted after it (not yet planned),
+            newest first: an older request never waits on a newer one."""
+            while not self._pages_for(request, end):
+                newer = self.running[self.running.index(request) + 1:]
+                victims = [r for r in newer if r.id not in planned]
+                if not victims:
+                    return False
+                self._preempt(victims[-1])
+            return True
+
+        def take(request: Request, n: int, final: bool) -> None:
+            nonlocal budget
+            plan.append((request, n, final))
+            planned.add(request.id)
+            budget -= n
+
+        for request in list(self.running):  # 1. decodes
+            seq = request.sequence
+            if seq is None or not seq.prefilled:
+                continue
+            if budget == 0:
+                break
+            if room(request, seq.done + 1):
+                take(request, 1, True)
+        queue = [r for r in self.running if not r.sequence.prefilled]
+        while budget > 0:  # 2. prefill chunks: running prefills first, then admissions, FCFS
+            if not queue:
+                if not self.waiting or not self.free_slots:
+                    break
+                self._admit(self.waiting.popleft())
+                queue.append(self.running[-1])
+            request = queue.pop(0)
+            seq = request.sequence
+            if seq is None:  # preempted to make room for an earlier one
+                continue
+            n = min(budget, len(seq.tokens) - seq.done)
+            if not room(request, seq.done + n):
+                n = len(seq.pages) * self.layout.page_size - seq.done  # what its pages hold
+                if n <= 0:
+                    if seq.done == seq.replay_start:  # admitted this step, nothing run: wait in the queue
+                        self._release(request)
+                        self.waiting.appendleft(request)
+                    break
+            take(request, n, seq.done + n == len(seq.tokens))
+        return plan
+
+    def step(self) -> list[tuple[int, int]]:
+        """Run one step; returns the (request id, token) pairs it produced."""
+        plan = self._schedule()
+        if not plan:
+            return []
+        chunks = [r.sequence.chunk(n, final, self.trim) for r, n, final in plan]
+        sequences = [r.sequence for r in self.running]
+        batch = build_step(self.cfg, self.layout, chunks, page_table(self.layout, sequences), device=self.device)
+        with torch.no_grad():
+            logits = self.run(batch, self.cache)
+        self.stats.steps += 1
+        produced, row = [], 0
+        for (request, n, final), chunk in zip(plan, chunks):
+            decoder_rows = len(chunk.decoder_positions(self.cfg.window))
+            row += decoder_rows
+            self.stats.trimmed_tokens += n - decoder_rows
+            seq = request.sequence
+            if self.prefix_cache:
+                self.pages.publish(seq.tokens, seq.pages, seq.done)
+            if not final:
+                continue
+            token = self._sample(logits[row - 1], request)
+            request.output.append(token)
+            produced.append((request.id, token))
+            if request.finished:
+                self._release(request)
+            else:
+                seq.tokens.append(token)
+        return produced
+
+    def _sample(self, logits: torch.Tensor, request: Request) -> int:
+        params = request.sampling
+        if params.temperature == 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(0) - sorted_probs < params.top_p  # the smallest set reaching top_p
+        sorted_probs = torch.where(keep, sorted_probs, 0.0)
+        choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=request.generator)
+        return int(order[choice])

@@ -1,0 +1,99 @@
+"""The engine against the plain model: exact mode is exact, nothing is lost, cached pages are read-only."""
+
+import hashlib
+
+import pytest
+import torch
+
+from megafuse.model import CacheLayout
+from megafuse.runtime import Engine, RequestError, SamplingParams
+from tests.model.stepping import random_tokens
+
+NEW_TOKENS = 4
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    """The plain model recomputing the whole sequence for every token."""
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def _sessions(cfg):
+    """6 sessions over one 100-token system prompt; a second turn appends the output and a tool result."""
+    system = random_tokens(cfg, 100, seed=20)
+    return [system + random_tokens(cfg, 6 + i, seed=30 + i) for i in range(6)], \
+        [random_tokens(cfg, 9 + i, seed=40 + i) for i in range(6)]
+
+
+def test_exact_mode_generates_the_plain_models_greedy_tokens_through_hits_evictions_and_preemptions(tiny_fp32, tiny_model):
+    first_turns, tool_results = _sessions(tiny_fp32)
+    # 3 slots, 18 pages of 8 tokens: the 13 pages of the shared system prompt and a few of each
+    # request's own; requests evict cached pages, and a decode that crosses a page boundary preempts
+    layout = CacheLayout(slots=3, pages=18, page_size=8, max_pages=17)
+    engine = Engine(tiny_model, layout=layout, swa_bounded_replay=False, trim_decoder=False, token_budget=64)
+    outputs = engine.generate(first_turns, NEW_TOKENS)
+    second_turns = [p + o + t for p, o, t in zip(first_turns, outputs, tool_results)]
+    outputs += engine.generate(second_turns, NEW_TOKENS)
+    for prompt, output in zip(first_turns + second_turns, outputs):
+        assert output == _greedy(tiny_model, prompt, NEW_TOKENS)
+    stats = engine.stats
+    print(stats)
+    assert stats.prefix_hits >= 6 and stats.evictions >= 1 and stats.preemptions >= 1
+    assert stats.replayed_tokens > 0 and stats.trimmed_tokens == 0
+
+
+def test_a_burst_of_50_requests_on_a_cache_for_5_loses_none_and_bad_requests_get_named_errors(tiny_fp32, tiny_model):
+    prompts = [random_tokens(tiny_fp32, 5 + i % 7, seed=100 + i) for i in range(50)]
+    layout = CacheLayout(slots=5, pages=10, page_size=8, max_pages=4)
+    engine = Engine(tiny_model, layout=layout, token_budget=32)
+    bad = [([], 3, None, "prompt is empty"),
+           ([tiny_fp32.vocab_size], 3, None, "outside 0..1023"),
+           ([1, 2], 0, None, "max_new_tokens must be a positive int"),
+           ([1] * 40, 3, None, "needs 42 positions; the cache holds at most 32"),
+           ([1, 2], 3, SamplingParams(temperature=-1.0), "temperature must be >= 0"),
+           ([1, 2], 3, SamplingParams(top_p=0.0), r"top_p must lie in \(0, 1\]")]
+    ids = []
+    for i, prompt in enumerate(prompts):
+        ids.append(engine.add_request(prompt, 4))
+        if i % 10 == 0:
+            prompt, n, sampling, message = bad[i // 10 % len(bad)]
+            with pytest.raises(RequestError, match=message):
+                engine.add_request(prompt, n, sampling)
+    while engine.waiting or engine.running:
+        engine.step()
+    got = [engine.requests[i].output for i in ids]
+    assert all(len(o) == 4 for o in got)
+    clean = Engine(tiny_model, layout=layout, token_budget=32).generate(prompts, 4)
+    assert got == clean
+    assert engine.pages.pool.refs == [0] * layout.pages  # every page released
+
+
+def test_sampling_is_seeded_and_top_p_near_zero_is_greedy(tiny_fp32, tiny_model):
+    layout = CacheLayout(slots=2, pages=8, page_size=8, max_pages=4)
+    prompt = [random_tokens(tiny_fp32, 12, seed=7)]
+    hot = SamplingParams(temperature=1.5, top_p=0.9, seed=3)
+    a = Engine(tiny_model, layout=layout).generate(prompt, 8, hot)
+    b = Engine(tiny_model, layout=layout).generate(prompt, 8, hot)
+    c = Engine(tiny_model, layout=layout).generate(prompt, 8, SamplingParams(temperature=1.5, top_p=0.9, seed=4))
+    greedy = Engine(tiny_model, layout=layout).generate(prompt, 8)
+    nucleus_of_one = Engine(tiny_model, layout=layout).generate(prompt, 8, SamplingParams(temperature=1.0, top_p=1e-6))
+    assert a == b and a != c and nucleus_of_one == greedy
+
+
+def test_cached_pages_are_read_only_across_replays(tiny_fp32, tiny_model):
+    first_turns, _ = _sessions(tiny_fp32)
+    layout = CacheLayout(slots=2, pages=64, page_size=8, max_pages=20)
+    engine = Engine(tiny_model, layout=layout, token_budget=64)
+    engine.generate(first_turns[:1], 3)
+    cached = sorted(engine.pages.hash_of)
+    assert len(cached) == 13  # the 105-token prompt's 13 full pages (the last token's page is partial)
+
+    def digest():
+        return [hashlib.sha256(engine.cache.page_bytes(p)).hexdigest() for p in cached]
+
+    before = digest()
+    engine.generate(first_turns[1:], 3)  # each replays over the shared system-prompt pages
+    assert engine.stats.prefix_hits == 5 and engine.stats.replayed_tokens == 5 * tiny_fp32.window
+    assert digest() == before
