@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # compile tiny's batched step with every registered pass, prefill + incremental greedy decode, compare with
-# eager (~6 min on 2 CPU cores: 2 regions x 2 buckets compile)
+# eager (~9 min on 2 CPU cores with empty caches, ~3 min warm: 2 regions x 2 buckets compile)
 run: $(STAMP)
 	$(VENV)/bin/megafuse run --config tiny --passes all
 
