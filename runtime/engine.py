@@ -62,6 +62,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     sequence: Sequence | None = None  # while it holds a slot
     generator: torch.Generator | None = None
+    logits: list[torch.Tensor] = field(default_factory=list)  # per output token, with keep_logits
 
     @property
     def finished(self) -> bool:
@@ -81,7 +82,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model, *, layout: CacheLayout, prefix_cache: bool = True, swa_bounded_replay: bool = True,
-                 trim_decoder: bool = True, token_budget: int = 256, run=None):
+                 trim_decoder: bool = True, token_budget: int = 256, run=None, keep_logits: bool = False):
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.model, self.cfg, self.layout = model, model.cfg, layout
@@ -91,6 +92,7 @@ class Engine:
         self.prefix_cache, self.trim, self.token_budget = prefix_cache, trim_decoder, token_budget
         self.replay = self.cfg.window if swa_bounded_replay else self.cfg.n_layers * self.cfg.window
         self.run = run or model.step
+        self.keep_logits = keep_logits  # each request keeps the fp32 logits of its tokens (on the CPU)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(layout.slots - 1, -1, -1))
@@ -252,6 +254,8 @@ class Engine:
                 continue
             token = self._sample(logits[row - 1], request)
             request.output.append(token)
+            if self.keep_logits:
+                request.logits.append(logits[row - 1].float().cpu())
             produced.append((request.id, token))
             if request.finished:
                 self._release(request)
