@@ -23,7 +23,8 @@ import traceback
 # name -> (module, one line); the module is imported when the tool runs or shows its own --help
 TOOLS = {
     "info": ("megafuse.tools.info", "parameter counts, cache sizes and the layer role table of a config"),
-    "run": ("megafuse.tools.run", "compile with the passes, prefill + greedy decode, compare with eager"),
+    "run": ("megafuse.tools.run", "compile the batched step with the passes, prefill + incremental decode, compare with eager"),
+    "generate": ("megafuse.tools.generate", "token-id prompts in, token ids out, through the serving engine"),
     "ablate": ("megafuse.tools.ablate", "every pass alone, all but each, all and none: matches, kernels, latency, error"),
     "inspect": ("megafuse.tools.inspect_kernels", "list the fused kernels of a compiled model or layer: pass, spec, source, metadata"),
 }

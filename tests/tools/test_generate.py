@@ -1,0 +1,37 @@
+"""`megafuse generate`: the engine's tokens for token-id prompts, its stats, named errors."""
+
+import json
+
+import torch
+
+from megafuse.model import build_model, preset
+from megafuse.tools import generate
+from megafuse.tools.cli import main
+
+
+def test_generate_in_exact_mode_returns_the_plain_models_greedy_tokens(tmp_path, capsys):
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    argv = ["generate", "--config", "tiny", "--quant", "none", "--prompts", str(tmp_path / "prompts.json"),
+            "--max-new-tokens", "3", "--no-swa-bounded-replay", "--no-trim", "--json", "-"]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["schema"] == "megafuse.generate/1"
+    for key in ("engine", "sampling", "requests", "stats", "environment", "output_tokens_per_s", "evictions"):
+        assert key in generate.__doc__ and key in json.dumps(r), key
+    model = build_model(preset("tiny").replace(quant="none"), seed=0)
+    for prompt, request in zip(prompts, r["requests"]):
+        tokens = list(prompt)
+        for _ in range(3):
+            tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+        assert request == {"prompt_len": len(prompt), "output": tokens[len(prompt):]}
+    assert r["stats"]["steps"] == 3 and not r["engine"]["trim_decoder"]
+
+
+def test_generate_names_bad_prompts(capsys):
+    assert main(["generate", "--config", "tiny", "--prompt", "1,2,x"]) == 2
+    assert "--prompt takes comma-separated integers" in capsys.readouterr().err
+    assert main(["generate", "--config", "tiny", "--prompt", "1,5000", "--max-new-tokens", "2"]) == 2
+    assert "token ids [5000] lie outside 0..1023" in capsys.readouterr().err
+    assert main(["generate", "--config", "tiny", "--prompt", "1,2", "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err

@@ -1,0 +1,129 @@
+"""`megafuse generate`: token-id prompts in, generated token ids out, through the serving engine.
+
+Prompts come from `--prompt 1,2,3` (repeatable), `--prompts FILE` (a JSON list of token-id lists)
+or, without either, `--batch` random prompts of `--prompt-len` tokens. The engine (runtime.Engine)
+runs them with continuous batching over the byte cache: decodes first, chunked prefill under
+`--token-budget`, the prefix cache, bounded replay and the trimmed decoder unless turned off. The
+model runs eagerly here.
+
+JSON (`--json PATH`, '-' for stdout), schema "megafuse.generate/1":
+
+    schema          "megafuse.generate/1"
+    config, dtype, quant, device        str
+    engine          {prefix_cache, swa_bounded_replay, trim_decoder: bool, token_budget: int,
+                     cache: {slots, pages, page_size, max_pages}}
+    sampling        {temperature, top_p, seed}
+    requests        [{prompt_len: int, output: [int]}]
+    stats           {steps, prefix_hits, hit_tokens, replayed_tokens, trimmed_tokens, preemptions,
+                     evictions: int, seconds: float, output_tokens_per_s: float}
+    environment     {date, python, torch, triton, device}
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from rich.table import Table
+
+from megafuse.model import CacheLayout
+from megafuse.runtime import Engine, RequestError, SamplingParams
+
+from . import common
+from .output import ToolError, console, environment, tables_to_stderr, write_json
+
+EXAMPLES = """examples:
+  megafuse generate --config tiny --prompt 1,2,3 --prompt 4,5 --max-new-tokens 8
+  megafuse generate --config tiny --batch 4 --prompt-len 100 --json -
+  megafuse generate --config tiny --prompts prompts.json --temperature 0.8 --top-p 0.9 --seed 1
+  megafuse generate --config tiny --prompt 1,2,3 --no-swa-bounded-replay --no-trim   # exact mode
+"""
+
+PAGE_SIZE = 64
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_model_arguments(parser, prompt_len=16)
+    parser.add_argument("--prompt", action="append", metavar="IDS", help="comma-separated token ids (repeatable)")
+    parser.add_argument("--prompts", metavar="FILE", help="a JSON list of token-id lists")
+    parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="tokens per request (default 16)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--token-budget", type=int, default=256, help="rows per step (default 256)")
+    parser.add_argument("--slots", type=int, help="requests running at once (default: all of them)")
+    parser.add_argument("--no-prefix-cache", action="store_true")
+    parser.add_argument("--no-swa-bounded-replay", action="store_true", help="replay L x W tokens on a hit (exact)")
+    parser.add_argument("--no-trim", action="store_true", help="run the decoder layers on every prefill row")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
+
+
+def _prompts(args: argparse.Namespace, cfg) -> list[list[int]]:
+    if args.prompt and args.prompts:
+        raise ToolError("give prompts with --prompt or --prompts, not both")
+    if args.prompts:
+        data = json.loads(Path(args.prompts).read_text())
+        if not isinstance(data, list) or not all(isinstance(p, list) for p in data):
+            raise ToolError(f"{args.prompts}: expected a JSON list of token-id lists")
+        return data
+    if args.prompt:
+        try:
+            return [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt]
+        except ValueError as e:
+            raise ToolError(f"--prompt takes comma-separated integers: {e}") from None
+    return common.random_ids(cfg, args.batch, args.prompt_len, args.seed, "cpu").tolist()
+
+
+def main(args: argparse.Namespace) -> int:
+    with tables_to_stderr(args.json == "-"):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
+    cfg, model = common.load_model(args)
+    prompts = _prompts(args, cfg)
+    if not prompts:
+        raise ToolError("no prompts given")
+    longest = max(len(p) for p in prompts) + max(args.max_new_tokens, 1)
+    slots = args.slots or len(prompts)
+    max_pages = -(-longest // PAGE_SIZE)
+    layout = CacheLayout(slots=slots, pages=slots * max_pages, page_size=PAGE_SIZE, max_pages=max_pages)
+    sampling = SamplingParams(args.temperature, args.top_p, args.seed)
+    try:
+        engine = Engine(model, layout=layout, prefix_cache=not args.no_prefix_cache,
+                        swa_bounded_replay=not args.no_swa_bounded_replay, trim_decoder=not args.no_trim,
+                        token_budget=args.token_budget)
+        ids = [engine.add_request(p, args.max_new_tokens, sampling) for p in prompts]
+    except (RequestError, ValueError) as e:
+        raise ToolError(str(e)) from None
+    with common.step(f"generating {args.max_new_tokens} tokens for {len(prompts)} requests"):
+        start = time.perf_counter()
+        while engine.waiting or engine.running:
+            engine.step()
+        seconds = time.perf_counter() - start
+    outputs = [engine.requests[i].output for i in ids]
+    stats = dataclasses.asdict(engine.stats) | {
+        "seconds": seconds, "output_tokens_per_s": sum(map(len, outputs)) / seconds}
+    result = {
+        "schema": "megafuse.generate/1", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
+        "device": args.device,
+        "engine": {"prefix_cache": engine.prefix_cache, "swa_bounded_replay": not args.no_swa_bounded_replay,
+                   "trim_decoder": engine.trim, "token_budget": engine.token_budget,
+                   "cache": dataclasses.asdict(layout)},
+        "sampling": dataclasses.asdict(sampling),
+        "requests": [{"prompt_len": len(p), "output": o} for p, o in zip(prompts, outputs)],
+        "stats": stats, "environment": environment(),
+    }
+    table = Table(title=f"megafuse generate: {cfg.name} ({cfg.dtype}, quant={cfg.quant}, {args.device})")
+    for col in ("request", "prompt tokens", "output token ids"):
+        table.add_column(col)
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        table.add_row(str(i), str(len(p)), " ".join(map(str, o)))
+    console.print(table)
+    console.print(", ".join(f"{k.replace('_', ' ')} {v:,.2f}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
+                            for k, v in stats.items()))
+    if args.json:
+        write_json(result, args.json)
+    return 0
