@@ -25,6 +25,7 @@ TOOLS = {
     "info": ("megafuse.tools.info", "parameter counts, cache sizes and the layer role table of a config"),
     "run": ("megafuse.tools.run", "compile the batched step with the passes, prefill + incremental decode, compare with eager"),
     "generate": ("megafuse.tools.generate", "token-id prompts in, token ids out, through the serving engine"),
+    "bench-serve": ("megafuse.tools.bench_serve", "the agentic workload through the engine, per configuration: TTFT, throughput"),
     "ablate": ("megafuse.tools.ablate", "every pass alone, all but each, all and none: matches, kernels, latency, error"),
     "inspect": ("megafuse.tools.inspect_kernels", "list the fused kernels of a compiled model or layer: pass, spec, source, metadata"),
 }

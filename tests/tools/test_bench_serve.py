@@ -1,0 +1,31 @@
+"""`megafuse bench-serve` on tiny: every configuration serves the whole workload, its JSON and plot."""
+
+import json
+
+from megafuse.tools import bench_serve
+from megafuse.tools.cli import main
+
+
+def test_bench_serve_runs_each_configuration_over_the_whole_workload(tmp_path, capsys):
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    argv = ["bench-serve", "--config", "tiny", "--sessions", "2", "--turns", "2", "--system-prompt", "24",
+            "--context-cap", "20", "--tool-result", "4", "8", "--output-cap", "2", "--slots", "2", "--page-size", "8",
+            "--configs", "no-prefix-cache,bounded-replay", "--json", str(out), "--png", str(png)]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["schema"] == "megafuse.bench_serve/1" and list(r["configurations"]) == ["no-prefix-cache", "bounded-replay"]
+    for key in ("workload", "cache", "ttft_s", "tpot_s", "tokens_per_s_per_gpu", "prefix_hit_rate", "makespan_s"):
+        assert key in bench_serve.__doc__, key
+    for name, c in r["configurations"].items():
+        assert c["requests"] == 4 and c["output_tokens"] == 8 and len(c["ttft_all_s"]) == 4
+        assert 0 < c["ttft_s"]["p50"] <= c["ttft_s"]["p90"] <= c["ttft_s"]["p99"]
+    plain, bounded = r["configurations"]["no-prefix-cache"]["stats"], r["configurations"]["bounded-replay"]["stats"]
+    assert plain["prefix_hits"] == 0 and bounded["prefix_hits"] >= 2  # second turns and the shared system prompt
+    assert bounded["replayed_tokens"] == bounded["prefix_hits"] * 8  # W = 8 per hit
+    assert png.stat().st_size > 10_000
+    assert "bounded-replay" in capsys.readouterr().out
+
+
+def test_bench_serve_names_an_unknown_configuration(capsys):
+    assert main(["bench-serve", "--config", "tiny", "--configs", "fast"]) == 2
+    assert "valid: no-prefix-cache, exact-replay, bounded-replay, bounded-no-trim" in capsys.readouterr().err

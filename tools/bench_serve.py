@@ -1,0 +1,201 @@
+"""`megafuse bench-serve`: the agentic workload through the engine, once per configuration.
+
+Every configuration serves the same seeded workload (runtime/workload.py) in one process:
+
+    no-prefix-cache    every turn prefills its whole context
+    exact-replay       prefix cache, replay of L x W tokens on a hit, no trim (exact: RUNTIME.md 1)
+    bounded-replay     prefix cache, replay of W tokens, trimmed decoder (the seed's configuration)
+    bounded-no-trim    prefix cache, replay of W tokens, every prefill row through the decoder
+
+Time is simulated from measured step times: the clock advances by each step's wall time (CUDA
+events on a GPU), a turn arrives at its session's arrival or `think_time_s` after its previous
+output ended, and an idle engine jumps to the next arrival. TTFT is first token - arrival; the
+time per output token is (last - first token) / (outputs - 1); the output rate per user is its
+inverse, and per GPU the outputs over the whole run's time. The model runs eagerly.
+
+JSON (`--json PATH`), schema "megafuse.bench_serve/1":
+
+    schema, config, dtype, quant, device     str
+    workload        the AgenticWorkload fields, plus output_cap
+    cache           {slots, pages, page_size, max_pages}
+    configurations  {name: {engine: {...flags}, ttft_s: {p50, p90, p99}, tpot_s: {p50, p90},
+                     tokens_per_s_per_user: {p50}, tokens_per_s_per_gpu, requests, output_tokens,
+                     makespan_s, prefix_hit_rate, stats: {EngineStats}, ttft_all_s: [float]}}
+    environment     {date, python, torch, triton, device}
+
+`--png PATH`: TTFT CDF per configuration; output tok/s per user against tok/s per GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+from rich.table import Table
+
+from megafuse.model import CacheLayout
+from megafuse.runtime import Engine
+from megafuse.runtime.workload import AgenticWorkload
+
+from . import common
+from .output import ToolError, console, environment, write_json
+
+CONFIGURATIONS = {
+    "no-prefix-cache": dict(prefix_cache=False, swa_bounded_replay=True, trim_decoder=True),
+    "exact-replay": dict(prefix_cache=True, swa_bounded_replay=False, trim_decoder=False),
+    "bounded-replay": dict(prefix_cache=True, swa_bounded_replay=True, trim_decoder=True),
+    "bounded-no-trim": dict(prefix_cache=True, swa_bounded_replay=True, trim_decoder=False),
+}
+
+EXAMPLES = """examples:
+  megafuse bench-serve --config tiny --sessions 4 --turns 2 --context-cap 200 --output-cap 8
+  megafuse bench-serve --config flash-lite --device cuda --sessions 8 --context-cap 32768 --json serve.json --png serve.png
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="a preset, a config JSON or a checkpoint directory")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload (default 0)")
+    parser.add_argument("--workload", default="agentic", choices=("agentic",))
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--system-prompt", type=int, default=2000, metavar="TOKENS")
+    parser.add_argument("--context-cap", type=int, metavar="TOKENS", help="clip first-turn contexts (scale)")
+    parser.add_argument("--tool-result", type=int, nargs=2, default=(500, 4000), metavar=("LOW", "HIGH"))
+    parser.add_argument("--output-cap", type=int, metavar="TOKENS", help="clip output lengths (scale)")
+    parser.add_argument("--arrival-rate", type=float, default=0.5, help="sessions per second (default 0.5)")
+    parser.add_argument("--think-time", type=float, default=1.0, metavar="S")
+    parser.add_argument("--configs", default=",".join(CONFIGURATIONS),
+                        help=f"comma-separated subset of {', '.join(CONFIGURATIONS)}")
+    parser.add_argument("--slots", type=int, default=8, help="requests running at once (default 8)")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--token-budget", type=int, default=4096, help="rows per step (default 4096)")
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--png", metavar="PATH")
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _serve(model, layout, flags, system, sessions, think_s, output_cap, device, budget):
+    """Run the workload through one engine; per-request times and the engine's stats."""
+    engine = Engine(model, layout=layout, token_budget=budget, **flags)
+    clock, pending, records = 0.0, [], {}  # pending: (arrival, session index, turn index, context)
+    for i, s in enumerate(sessions):
+        pending.append((s.arrival_s, i, 0, system))
+    while pending or engine.waiting or engine.running:
+        pending.sort(key=lambda p: p[0])
+        if not (engine.waiting or engine.running) and pending[0][0] > clock:
+            clock = pending[0][0]  # idle: jump to the next arrival
+        while pending and pending[0][0] <= clock:
+            arrival, i, k, context = pending.pop(0)
+            turn = sessions[i].turns[k]
+            prompt = context + turn.new_tokens
+            n_out = min(turn.max_new_tokens, output_cap) if output_cap else turn.max_new_tokens
+            rid = engine.add_request(prompt, n_out)
+            records[rid] = {"session": i, "turn": k, "arrival": arrival, "prompt": prompt, "times": []}
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        produced = engine.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        clock += time.perf_counter() - start
+        for rid, _ in produced:
+            record = records[rid]
+            record["times"].append(clock)
+            request = engine.requests[rid]
+            if request.finished and record["turn"] + 1 < len(sessions[record["session"]].turns):
+                pending.append((clock + think_s, record["session"], record["turn"] + 1,
+                                record["prompt"] + request.output))
+    return records, engine.stats, clock
+
+
+def _summary(records: dict, stats, makespan: float) -> dict:
+    ttft = [r["times"][0] - r["arrival"] for r in records.values()]
+    tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in records.values() if len(r["times"]) > 1]
+    outputs = sum(len(r["times"]) for r in records.values())
+    per_user = [1 / t for t in tpot if t > 0]
+    return {"ttft_s": {q: _percentile(ttft, v) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
+            "tpot_s": {"p50": _percentile(tpot, 0.5), "p90": _percentile(tpot, 0.9)},
+            "tokens_per_s_per_user": {"p50": _percentile(per_user, 0.5)},
+            "tokens_per_s_per_gpu": outputs / makespan if makespan else None,
+            "requests": len(records), "output_tokens": outputs, "makespan_s": makespan,
+            "prefix_hit_rate": stats.hit_tokens / max(1, sum(len(r["prompt"]) for r in records.values())),
+            "stats": dataclasses.asdict(stats), "ttft_all_s": ttft}
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (cdf, rate) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, c in result["configurations"].items():
+        ttft = sorted(c["ttft_all_s"])
+        cdf.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=name)
+        rate.scatter([c["tokens_per_s_per_gpu"]], [c["tokens_per_s_per_user"]["p50"] or 0], label=name)
+    cdf.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF", xscale="log")
+    rate.set(xlabel="output tok/s per GPU", ylabel="output tok/s per user (P50)", title="throughput")
+    for ax in (cdf, rate):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"megafuse bench-serve: {result['config']} ({result['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGURATIONS]
+    if unknown or not names:
+        raise ToolError(f"--configs: unknown {unknown or 'empty'}; valid: {', '.join(CONFIGURATIONS)}")
+    args.dtype = args.quant = None
+    args.prompt_len, args.batch = 1, 1
+    cfg, model = common.load_model(args)
+    try:
+        workload = AgenticWorkload(vocab_size=cfg.vocab_size, sessions=args.sessions, turns=args.turns,
+                                   system_prompt=args.system_prompt, tool_result=tuple(args.tool_result),
+                                   arrival_rate=args.arrival_rate, think_time_s=args.think_time,
+                                   context_cap=args.context_cap, seed=args.seed)
+    except ValueError as e:
+        raise ToolError(str(e)) from None
+    system, sessions = workload.build()
+    cap = args.output_cap
+    longest = max(len(system) + sum(len(t.new_tokens) + (min(t.max_new_tokens, cap) if cap else t.max_new_tokens)
+                                    for t in s.turns) for s in sessions)
+    max_pages = -(-longest // args.page_size)
+    layout = CacheLayout(slots=args.slots, pages=args.slots * max_pages, page_size=args.page_size, max_pages=max_pages)
+    result = {"schema": "megafuse.bench_serve/1", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
+              "device": args.device, "workload": dataclasses.asdict(workload) | {"output_cap": cap},
+              "cache": dataclasses.asdict(layout), "configurations": {}, "environment": environment()}
+    for name in names:
+        with common.step(f"serving {len(sessions)} sessions x {args.turns} turns: {name}"):
+            records, stats, makespan = _serve(model, layout, CONFIGURATIONS[name], system, sessions, args.think_time,
+                                              cap, args.device, args.token_budget)
+        result["configurations"][name] = {"engine": CONFIGURATIONS[name]} | _summary(records, stats, makespan)
+    table = Table(title=f"megafuse bench-serve: {cfg.name}, {len(sessions)} sessions x {args.turns} turns")
+    table.add_column("configuration", no_wrap=True)
+    for col in ("TTFT P50", "TTFT P90", "TTFT P99", "TPOT P50", "tok/s per GPU", "hit rate", "replayed", "trimmed",
+                "preempted", "evicted"):
+        table.add_column(col, justify="right")
+    for name, c in result["configurations"].items():
+        t, s = c["ttft_s"], c["stats"]
+        table.add_row(name, *(f"{t[q]:.3f} s" for q in ("p50", "p90", "p99")),
+                      f"{c['tpot_s']['p50'] * 1e3:.1f} ms" if c["tpot_s"]["p50"] else "-",
+                      f"{c['tokens_per_s_per_gpu']:.1f}", f"{c['prefix_hit_rate']:.0%}", str(s["replayed_tokens"]),
+                      str(s["trimmed_tokens"]), str(s["preemptions"]), str(s["evictions"]))
+    console.print(table)
+    if args.json:
+        write_json(result, args.json)
+    if args.png:
+        _plot(result, args.png)
+    return 0
