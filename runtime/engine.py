@@ -72,9 +72,9 @@ class Request:
 @dataclass
 class EngineStats:
     steps: int = 0
-    prefix_hits: int = 0
-    hit_tokens: int = 0
-    replayed_tokens: int = 0
+    prefix_hits: int = 0  # admissions that reused cached pages (counted when their first chunk runs)
+    hit_tokens: int = 0  # positions whose global KV came from the prefix cache
+    replayed_tokens: int = 0  # of those, recomputed for their SWA rows
     trimmed_tokens: int = 0  # prefill rows that skipped the decoder layers
     preemptions: int = 0
     evictions: int = 0
@@ -175,9 +175,6 @@ class Engine:
             hit = usable * self.layout.page_size
             if hit:
                 seq.resume_from_cache(hit, self.replay)
-                self.stats.prefix_hits += 1
-                self.stats.hit_tokens += hit
-                self.stats.replayed_tokens += hit - seq.replay_start
 
     def _schedule(self) -> list[tuple[Request, int, bool]]:
         plan: list[tuple[Request, int, bool]] = []
@@ -244,6 +241,10 @@ class Engine:
         self.stats.steps += 1
         produced, row = [], 0
         for (request, n, final), chunk in zip(plan, chunks):
+            if chunk.cached and chunk.start == chunk.replay_start:  # the first chunk after a prefix hit
+                self.stats.prefix_hits += 1
+                self.stats.hit_tokens += chunk.cached
+                self.stats.replayed_tokens += chunk.cached - chunk.replay_start
             decoder_rows = len(chunk.decoder_positions(self.cfg.window))
             row += decoder_rows
             self.stats.trimmed_tokens += n - decoder_rows
