@@ -194,7 +194,7 @@ class LayerHarness(nn.Module):
     def forward(self, streams, pre, ids, positions, shared):
         # two-level copy: the block publishes into `shared` (new entries and new keys of its own)
         shared = {layer: dict(entries) for layer, entries in shared.items()}
-        return self.block(streams, pre, ids, positions, shared, None, None)
+        return self.block(streams, pre, ids, positions, shared)
 
 
 class _Captured(Exception):
