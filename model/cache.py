@@ -114,6 +114,12 @@ class CacheLayout:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"CacheLayout.{name} must be a positive int, got {value!r}")
 
+    @classmethod
+    def private(cls, slots: int, tokens: int, page_size: int = 64) -> "CacheLayout":
+        """Room for `slots` requests of up to `tokens` positions each, every one on pages of its own."""
+        max_pages = -(-tokens // page_size)
+        return cls(slots=slots, pages=slots * max_pages, page_size=page_size, max_pages=max_pages)
+
     @property
     def scratch_slot(self) -> int:
         return self.slots

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 
-import torch
 from rich.table import Table
 
 from megafuse.model import CacheLayout
@@ -87,6 +85,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 def _serve(model, layout, flags, system, sessions, think_s, output_cap, device, budget):
     """Run the workload through one engine; per-request times and the engine's stats."""
     engine = Engine(model, layout=layout, token_budget=budget, **flags)
+    stopwatch = common.Stopwatch(device)
     clock, pending, records = 0.0, [], {}  # pending: (arrival, session index, turn index, context)
     for i, s in enumerate(sessions):
         pending.append((s.arrival_s, i, 0, system))
@@ -101,13 +100,8 @@ def _serve(model, layout, flags, system, sessions, think_s, output_cap, device, 
             n_out = min(turn.max_new_tokens, output_cap) if output_cap else turn.max_new_tokens
             rid = engine.add_request(prompt, n_out)
             records[rid] = {"session": i, "turn": k, "arrival": arrival, "prompt": prompt, "times": []}
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        produced = engine.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        clock += time.perf_counter() - start
+        produced, seconds = stopwatch(engine.step)
+        clock += seconds
         for rid, _ in produced:
             record = records[rid]
             record["times"].append(clock)
@@ -172,8 +166,7 @@ def main(args: argparse.Namespace) -> int:
     cap = args.output_cap
     longest = max(len(system) + sum(len(t.new_tokens) + (min(t.max_new_tokens, cap) if cap else t.max_new_tokens)
                                     for t in s.turns) for s in sessions)
-    max_pages = -(-longest // args.page_size)
-    layout = CacheLayout(slots=args.slots, pages=args.slots * max_pages, page_size=args.page_size, max_pages=max_pages)
+    layout = CacheLayout.private(args.slots, longest, args.page_size)
     result = {"schema": "megafuse.bench_serve/1", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
               "device": args.device, "workload": dataclasses.asdict(workload) | {"output_cap": cap},
               "cache": dataclasses.asdict(layout), "configurations": {}, "environment": environment()}

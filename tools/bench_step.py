@@ -35,28 +35,11 @@ from megafuse.model import (CacheLayout, DecoderRegion, EncoderRegion, SequenceG
                             page_table, resolve_config)
 from megafuse.model.stats import device_parameter_bytes
 from megafuse.tools.bench_common import Stages, default_out, require_cuda
+from megafuse.tools.common import Stopwatch, median
 from megafuse.tools.output import environment
 
 PAGE_SIZE = 64
 FILL_ROWS = 4096  # rows per eager fill step: the indexer's per-row key gather grows with rows x context
-
-
-def _median_s(fn, repeat: int, device: str) -> float:
-    times = []
-    for _ in range(repeat):
-        if device == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quant:
         cfg = cfg.replace(quant=args.quant)
     D, C, N = args.decodes, args.context, args.chunk
-    max_pages = -(-max(N, C + 1) // PAGE_SIZE)
-    layout = CacheLayout(slots=D + 1, pages=(D + 1) * max_pages, page_size=PAGE_SIZE, max_pages=max_pages)
+    layout = CacheLayout.private(D + 1, max(N, C + 1), PAGE_SIZE)
     results = {"schema": "megafuse.bench_step/1", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
                "step": {"prefill_chunk": N, "decodes": D, "decode_context": C,
                         "rows": N + D, "decoder_rows": min(N, cfg.window) + D},
@@ -127,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.reset_peak_memory_stats()
             else:
                 first_s = time.time() - t0
-            step_s = _median_s(lambda: run(batch, group.cache), args.repeat, device)
+            clock = Stopwatch(device)
+            step_s = median([clock(run, batch, group.cache)[1] for _ in range(args.repeat)])
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
         return logits, first_s, step_s, peak
 

@@ -88,8 +88,7 @@ def _main(args: argparse.Namespace) -> int:
         raise ToolError("no prompts given")
     longest = max(len(p) for p in prompts) + max(args.max_new_tokens, 1)
     slots = args.slots or len(prompts)
-    max_pages = -(-longest // PAGE_SIZE)
-    layout = CacheLayout(slots=slots, pages=slots * max_pages, page_size=PAGE_SIZE, max_pages=max_pages)
+    layout = CacheLayout.private(slots, longest, PAGE_SIZE)
     sampling = SamplingParams(args.temperature, args.top_p, args.seed)
     try:
         engine = Engine(model, layout=layout, prefix_cache=not args.no_prefix_cache,

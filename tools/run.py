@@ -93,11 +93,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 PAGE_SIZE = 64  # token positions per cache page (model/cache.py)
 
 
-def _layout(batch: int, seq_len: int) -> CacheLayout:
-    max_pages = -(-seq_len // PAGE_SIZE)
-    return CacheLayout(slots=batch, pages=batch * max_pages, page_size=PAGE_SIZE, max_pages=max_pages)
-
-
 def _generate(run, group: SequenceGroup, steps: int, clock: Stopwatch, forced: torch.Tensor | None = None):
     """Prefill every sequence of `group`, then `steps` decode steps of one row each: prompt logits
     [B, T, V], per-step logits [B, V], greedy tokens [B, steps + 1], TTFT and step times. With
@@ -139,7 +134,7 @@ def _main(args: argparse.Namespace) -> int:
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[cfg.dtype]
     clock = Stopwatch(args.device)
     prompts = common.random_ids(cfg, B, T, args.seed, args.device).tolist()
-    layout = _layout(B, L)
+    layout = CacheLayout.private(B, L, PAGE_SIZE)
     buckets = {"prefill": [B * T, B * T]} | ({"decode": [B, B]} if N else {})
 
     def group():

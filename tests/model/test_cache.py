@@ -44,3 +44,8 @@ def test_a_page_holds_page_size_over_ratio_entries_of_each_source():
     assert set(cache.compressor) == {2, 4} and cache.compressor[2].shape == (4, 2, cfg.head_dim)
     with pytest.raises(ValueError, match="positive int"):
         CacheLayout(slots=0, pages=1, page_size=2, max_pages=1)
+
+
+def test_a_private_layout_gives_each_slot_the_pages_its_tokens_need():
+    layout = CacheLayout.private(slots=3, tokens=130, page_size=64)
+    assert (layout.slots, layout.pages, layout.page_size, layout.max_pages, layout.max_tokens) == (3, 9, 64, 3, 192)

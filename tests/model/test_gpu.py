@@ -26,7 +26,7 @@ def _rel(a, b):
 def _decode_through_the_cache(model, ids, prompt_len):
     """Prefill ids[:, :prompt_len] in one step, then one decode step per later token: logits [B, L, V]."""
     B, L = ids.shape
-    layout = CacheLayout(slots=B, pages=B * (-(-L // 64)), page_size=64, max_pages=-(-L // 64))
+    layout = CacheLayout.private(B, L)
     group = SequenceGroup(model.cfg, layout, ids.tolist(), "cuda")
     _, first = group.step(model.step, [(i, prompt_len, True) for i in range(B)])
     outs = [torch.stack(first)]
