@@ -171,6 +171,11 @@ class KVCache:
                         for s in sources if cfg.compress_ratios[s] > 1},
         )
 
+    def clear(self) -> None:
+        """Zero every pool in place (a cache reused by a new engine: captured graphs keep its addresses)."""
+        for t in [*self.swa, *self.global_kv.values(), *self.index_keys.values(), *self.compressor.values()]:
+            t.zero_()
+
     def nbytes(self) -> dict[str, int]:
         """Bytes held per kind (scratch slot and page included)."""
         def total(tensors):

@@ -153,13 +153,15 @@ class Transformer(nn.Module):
             streams, pre = block.step(streams, pre, batch.decoder, batch.page_table, cache, shared)
         return self._logits(streams, pre)[0]
 
-    def step(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+    def step(self, batch: StepBatch, cache: KVCache, encoder=None, decoder=None) -> torch.Tensor:
         """One batched step (both regions): logits [M, vocab] of the decoder rows, in order.
-        A step without decoder rows (only non-final prefill chunks) skips the decoder region."""
-        encoded = self.encoder_region(batch, cache)
+        A step without decoder rows (only non-final prefill chunks) skips the decoder region.
+        encoder / decoder: the regions to run in place of the methods (compiled `EncoderRegion` /
+        `DecoderRegion` modules take the same arguments)."""
+        encoded = (encoder or self.encoder_region)(batch, cache)
         if batch.decoder_index.numel() == 0:
             return encoded[0].new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
-        return self.decoder_region(*encoded, batch, cache)
+        return (decoder or self.decoder_region)(*encoded, batch, cache)
 
 
 class EncoderRegion(nn.Module):

@@ -14,8 +14,10 @@ Each `step()`:
    holds (LRU); when none are left the newest running request admitted after the one in need is
    preempted: its pages and slot are released and it goes back to the front of the queue to be
    recomputed (its output so far is kept). A newly admitted request that finds no pages waits;
-4. the model runs the step (`run(batch, cache)`: `model.step` or compiled regions); each request
-   whose final prefill chunk or decode ran samples its next token from its last decoder row;
+4. the model runs the step: with `passes` (default "all"; "none" is plain `torch.compile`) the
+   regions compiled per padded bucket and, on a GPU, replayed as CUDA graphs (runtime/graphs.py);
+   with passes=None the eager `model.step` on unpadded rows. Each request whose final prefill
+   chunk or decode ran samples its next token from its last decoder row;
 5. full pages a request wrote are published to the prefix cache; finished requests release theirs.
 
 A request that can never fit (prompt + max_new_tokens beyond one request's page table or the whole
@@ -31,6 +33,7 @@ import torch
 
 from megafuse.model import CacheLayout, KVCache, Sequence, build_step, page_table
 
+from .graphs import CompiledStep, default_buckets
 from .kv_cache import PagePool, PrefixCache
 
 
@@ -82,22 +85,48 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model, *, layout: CacheLayout, prefix_cache: bool = True, swa_bounded_replay: bool = True,
-                 trim_decoder: bool = True, token_budget: int = 256, run=None, keep_logits: bool = False):
+                 trim_decoder: bool = True, token_budget: int = 256, passes="all", cuda_graphs: bool | None = None,
+                 buckets: tuple[int, ...] | None = None, compiled: CompiledStep | None = None,
+                 keep_logits: bool = False):
+        """passes: "all", "none", a list of pass names (the compiled step), or None (eager step).
+        cuda_graphs: capture the compiled regions per bucket (None: where the model is on CUDA).
+        buckets: the padded row counts of the compiled step (default: powers of two up to the
+        token budget, then the budget); the largest must reach the token budget.
+        compiled: a CompiledStep of this model and layout to run instead (engines that share one
+        share its compiled graphs and CUDA graphs: bench-serve's configurations)."""
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.model, self.cfg, self.layout = model, model.cfg, layout
         self.device = model.embed.weight.device
-        self.cache = KVCache.allocate(self.cfg, layout, self.device)
         self.pages = PrefixCache(PagePool(layout.pages), layout.page_size)
         self.prefix_cache, self.trim, self.token_budget = prefix_cache, trim_decoder, token_budget
         self.replay = self.cfg.window if swa_bounded_replay else self.cfg.n_layers * self.cfg.window
-        self.run = run or model.step
+        self.step_runner = compiled or self._compiled_step(passes, cuda_graphs, buckets)
+        if compiled is not None and (compiled.model is not model or compiled.layout != layout):
+            raise ValueError("the compiled step was built for another model or cache layout")
+        if self.step_runner is not None and self.step_runner.buckets[-1] < token_budget:
+            raise ValueError(f"the largest bucket ({self.step_runner.buckets[-1]}) is below token_budget={token_budget}: "
+                             "a full step would have no graph")
+        if self.step_runner is None:
+            self.cache = KVCache.allocate(self.cfg, layout, self.device)
+        else:  # the compiled step's cache: its graphs hold those addresses
+            self.cache = self.step_runner.cache
+            self.cache.clear()
         self.keep_logits = keep_logits  # each request keeps the fp32 logits of its tokens (on the CPU)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(layout.slots - 1, -1, -1))
         self.requests: dict[int, Request] = {}
         self.stats = EngineStats()
+
+    def _compiled_step(self, passes, cuda_graphs, buckets) -> CompiledStep | None:
+        if passes is None:
+            if cuda_graphs:
+                raise ValueError("cuda_graphs=True captures the compiled regions; pass passes='all' or 'none'")
+            return None
+        graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        buckets = default_buckets(self.token_budget) if buckets is None else tuple(buckets)
+        return CompiledStep(self.model, layout=self.layout, buckets=buckets, passes=passes, cuda_graphs=graphs)
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -235,9 +264,14 @@ class Engine:
             return []
         chunks = [r.sequence.chunk(n, final, self.trim) for r, n, final in plan]
         sequences = [r.sequence for r in self.running]
-        batch = build_step(self.cfg, self.layout, chunks, page_table(self.layout, sequences), device=self.device)
+        rows = decoder_rows = None
+        if self.step_runner is not None:
+            rows, decoder_rows = self.step_runner.bucket(
+                sum(len(c.ids) for c in chunks), sum(len(c.decoder_positions(self.cfg.window)) for c in chunks))
+        batch = build_step(self.cfg, self.layout, chunks, page_table(self.layout, sequences), rows, decoder_rows,
+                           self.device)
         with torch.no_grad():
-            logits = self.run(batch, self.cache)
+            logits = (self.step_runner or self.model.step)(batch, self.cache)
         self.stats.steps += 1
         produced, row = [], 0
         for (request, n, final), chunk in zip(plan, chunks):

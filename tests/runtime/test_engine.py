@@ -32,7 +32,7 @@ def test_exact_mode_generates_the_plain_models_greedy_tokens_through_hits_evicti
     # 3 slots, 18 pages of 8 tokens: the 13 pages of the shared system prompt and a few of each
     # request's own; requests evict cached pages, and a decode that crosses a page boundary preempts
     layout = CacheLayout(slots=3, pages=18, page_size=8, max_pages=17)
-    engine = Engine(tiny_model, layout=layout, swa_bounded_replay=False, trim_decoder=False, token_budget=64)
+    engine = Engine(tiny_model, layout=layout, passes=None, swa_bounded_replay=False, trim_decoder=False, token_budget=64)
     outputs = engine.generate(first_turns, NEW_TOKENS)
     second_turns = [p + o + t for p, o, t in zip(first_turns, outputs, tool_results)]
     outputs += engine.generate(second_turns, NEW_TOKENS)
@@ -49,7 +49,7 @@ def test_bounded_mode_against_exact_mode_is_measured_per_token(tiny_fp32, tiny_m
     layout = CacheLayout(slots=3, pages=64, page_size=8, max_pages=17)
 
     def run(**mode):
-        engine = Engine(tiny_model, layout=layout, token_budget=64, keep_logits=True, **mode)
+        engine = Engine(tiny_model, layout=layout, passes=None, token_budget=64, keep_logits=True, **mode)
         outputs = engine.generate(first_turns, NEW_TOKENS)
         outputs += engine.generate([p + o + t for p, o, t in zip(first_turns, outputs, tool_results)], NEW_TOKENS)
         return [r for r in engine.requests.values()], engine.stats
@@ -78,7 +78,7 @@ def test_bounded_mode_against_exact_mode_is_measured_per_token(tiny_fp32, tiny_m
 def test_a_burst_of_50_requests_on_a_cache_for_5_loses_none_and_bad_requests_get_named_errors(tiny_fp32, tiny_model):
     prompts = [random_tokens(tiny_fp32, 5 + i % 7, seed=100 + i) for i in range(50)]
     layout = CacheLayout(slots=5, pages=10, page_size=8, max_pages=4)
-    engine = Engine(tiny_model, layout=layout, token_budget=32)
+    engine = Engine(tiny_model, layout=layout, passes=None, token_budget=32)
     bad = [([], 3, None, "prompt is empty"),
            ([tiny_fp32.vocab_size], 3, None, "outside 0..1023"),
            ([1, 2], 0, None, "max_new_tokens must be a positive int"),
@@ -96,7 +96,7 @@ def test_a_burst_of_50_requests_on_a_cache_for_5_loses_none_and_bad_requests_get
         engine.step()
     got = [engine.requests[i].output for i in ids]
     assert all(len(o) == 4 for o in got)
-    clean = Engine(tiny_model, layout=layout, token_budget=32).generate(prompts, 4)
+    clean = Engine(tiny_model, layout=layout, passes=None, token_budget=32).generate(prompts, 4)
     assert got == clean
     assert engine.pages.pool.refs == [0] * layout.pages  # every page released
 
@@ -105,18 +105,18 @@ def test_sampling_is_seeded_and_top_p_near_zero_is_greedy(tiny_fp32, tiny_model)
     layout = CacheLayout(slots=2, pages=8, page_size=8, max_pages=4)
     prompt = [random_tokens(tiny_fp32, 12, seed=7)]
     hot = SamplingParams(temperature=1.5, top_p=0.9, seed=3)
-    a = Engine(tiny_model, layout=layout).generate(prompt, 8, hot)
-    b = Engine(tiny_model, layout=layout).generate(prompt, 8, hot)
-    c = Engine(tiny_model, layout=layout).generate(prompt, 8, SamplingParams(temperature=1.5, top_p=0.9, seed=4))
-    greedy = Engine(tiny_model, layout=layout).generate(prompt, 8)
-    nucleus_of_one = Engine(tiny_model, layout=layout).generate(prompt, 8, SamplingParams(temperature=1.0, top_p=1e-6))
+    a = Engine(tiny_model, layout=layout, passes=None).generate(prompt, 8, hot)
+    b = Engine(tiny_model, layout=layout, passes=None).generate(prompt, 8, hot)
+    c = Engine(tiny_model, layout=layout, passes=None).generate(prompt, 8, SamplingParams(temperature=1.5, top_p=0.9, seed=4))
+    greedy = Engine(tiny_model, layout=layout, passes=None).generate(prompt, 8)
+    nucleus_of_one = Engine(tiny_model, layout=layout, passes=None).generate(prompt, 8, SamplingParams(temperature=1.0, top_p=1e-6))
     assert a == b and a != c and nucleus_of_one == greedy
 
 
 def test_cached_pages_are_read_only_across_replays(tiny_fp32, tiny_model):
     first_turns, _ = _sessions(tiny_fp32)
     layout = CacheLayout(slots=2, pages=64, page_size=8, max_pages=20)
-    engine = Engine(tiny_model, layout=layout, token_budget=64)
+    engine = Engine(tiny_model, layout=layout, passes=None, token_budget=64)
     engine.generate(first_turns[:1], 3)
     cached = sorted(engine.pages.hash_of)
     assert len(cached) == 13  # the 105-token prompt's 13 full pages (the last token's page is partial)

@@ -1,0 +1,158 @@
+"""The step the engine runs: the model's two regions compiled with the passes, and on a GPU each
+region captured as a CUDA graph per padded bucket (piecewise CUDA graphs).
+
+    step = CompiledStep(model, layout=layout, passes="all", cuda_graphs=True, buckets=(1, 8, 32, 256))
+    rows, decoder_rows = step.bucket(n_rows, n_decoder_rows)      # pad build_step to these
+    logits = step(batch, step.cache)
+
+The step owns the byte cache it runs on (`step.cache`, allocated for `layout`): a CUDA graph
+replays on the addresses it captured, so engines that share a step share its cache, one at a time.
+
+Static shapes (RUNTIME.md invariant 5): a step is padded to a bucket, the smallest bucket size
+at least its row count, and its decoder rows to the smallest at least theirs. Each (rows, decoder
+rows) pair the engine meets compiles each region once (`fullgraph`, `dynamic=False`: the passes
+match concrete shapes) and, with graphs, is captured once. A pair is compiled and captured the
+first time it runs, so the buckets a workload never uses cost nothing.
+
+The pieces: the encoder region (layers 0..L/2) and the decoder region (layers > L/2 and the
+head) are captured separately, the decoder's graph reading the encoder graph's static outputs;
+a step without decoder rows (a non-final chunk under the trim) replays only the encoder piece.
+Padding rows write only the cache's scratch slot and page, so the capture itself (run on an
+all-padding batch) leaves every request's cache untouched. All graphs share one memory pool:
+they replay one at a time, and each step's logits are read before the next replay.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+
+import torch
+
+from megafuse import passes as megafuse_passes
+from megafuse.model import CacheLayout, DecoderRegion, EncoderRegion, KVCache, StepBatch, build_step
+from megafuse.model.batch import Rows
+from megafuse.passes.report import CompileReport
+
+
+def default_buckets(token_budget: int) -> tuple[int, ...]:
+    """Powers of two below the token budget, then the budget: a step never exceeds it."""
+    sizes, size = [], 1
+    while size < token_budget:
+        sizes.append(size)
+        size *= 2
+    return tuple(sizes) + (token_budget,)
+
+
+@dataclass
+class GraphStats:
+    compiles: int = 0  # (rows, decoder rows) buckets compiled, both regions each
+    compile_s: float = 0.0  # first runs of each bucket, compiles included
+    captures: int = 0  # buckets captured as CUDA graphs
+    capture_s: float = 0.0
+    graph_bytes: int = 0  # device memory the graphs' pool reserves
+
+
+class _Pieces:
+    """One bucket's captured regions: static inputs (the batch), static outputs (the logits)."""
+
+    def __init__(self, batch: StepBatch, encoder_graph, decoder_graph, logits):
+        self.batch, self.encoder_graph, self.decoder_graph, self.logits = batch, encoder_graph, decoder_graph, logits
+
+    def replay(self, batch: StepBatch) -> torch.Tensor:
+        _copy_batch(self.batch, batch)
+        self.encoder_graph.replay()
+        if self.decoder_graph is not None:
+            self.decoder_graph.replay()
+        return self.logits
+
+
+def _copy_batch(static: StepBatch, batch: StepBatch) -> None:
+    for rows_static, rows in ((static.rows, batch.rows), (static.decoder, batch.decoder)):
+        for f in fields(Rows):
+            getattr(rows_static, f.name).copy_(getattr(rows, f.name), non_blocking=True)
+    static.decoder_index.copy_(batch.decoder_index, non_blocking=True)
+    static.page_table.copy_(batch.page_table, non_blocking=True)
+
+
+class CompiledStep:
+    """`run(batch, cache) -> logits` for the engine: the compiled regions, replayed as CUDA graphs."""
+
+    def __init__(self, model, *, layout: CacheLayout, buckets: tuple[int, ...], passes="all",
+                 cuda_graphs: bool = False):
+        sizes = tuple(int(b) for b in buckets)
+        if not sizes or any(b < 1 for b in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"buckets must be increasing positive row counts, got {buckets}")
+        device = model.embed.weight.device
+        if cuda_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {device.type}. "
+                             "Pass cuda_graphs=False (the compiled regions run without graphs)")
+        self.model, self.layout, self.buckets, self.cuda_graphs = model, layout, sizes, cuda_graphs
+        kwargs = dict(passes=passes, fullgraph=True, dynamic=False)
+        self.encoder = megafuse_passes.compile(EncoderRegion(model), **kwargs)
+        self.decoder = megafuse_passes.compile(DecoderRegion(model), **kwargs)
+        self.device = device
+        self.cache = KVCache.allocate(model.cfg, layout, device)
+        self.stats = GraphStats()
+        self.compiled_buckets: set[tuple[int, int]] = set()
+        self._graphs: dict[tuple[int, int], _Pieces] = {}
+        self._pool = None
+
+    def report(self) -> CompileReport:
+        """The passes' matches and rejections over every graph compiled so far."""
+        return CompileReport.combined(self.encoder.report, self.decoder.report)
+
+    def bucket(self, rows: int, decoder_rows: int) -> tuple[int, int]:
+        """The padded (rows, decoder rows) of a step."""
+        def pad(n: int) -> int:
+            for size in self.buckets:
+                if size >= n:
+                    return size
+            raise ValueError(f"a step of {n} rows exceeds the largest bucket ({self.buckets[-1]}); "
+                             f"the buckets must reach the engine's token budget")
+        return pad(rows), (pad(decoder_rows) if decoder_rows else 0)
+
+    def _regions(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        # every bucket is its own static graph of the same code: allow one per bucket, and fail
+        # loudly rather than fall back to eager if that is ever exceeded
+        with torch._dynamo.config.patch(recompile_limit=max(8, len(self.buckets) ** 2),
+                                        fail_on_recompile_limit_hit=True):
+            return self.model.step(batch, cache, self.encoder, self.decoder)
+
+    def __call__(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        if cache is not self.cache:
+            raise ValueError("a CompiledStep runs on its own cache (step.cache): its CUDA graphs hold those addresses")
+        key = (len(batch.rows), len(batch.decoder))
+        if key not in self.compiled_buckets:
+            start = time.perf_counter()
+            logits = self._regions(batch, cache)
+            self.stats.compiles += 1
+            self.stats.compile_s += time.perf_counter() - start
+            self.compiled_buckets.add(key)
+            return logits
+        if not self.cuda_graphs:
+            return self._regions(batch, cache)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(key, cache)
+        return self._graphs[key].replay(batch)
+
+    def _capture(self, key: tuple[int, int], cache: KVCache) -> _Pieces:
+        rows, decoder_rows = key
+        table = torch.full((self.layout.slots + 1, self.layout.max_pages), self.layout.scratch_page, dtype=torch.int64)
+        static = build_step(self.model.cfg, self.layout, [], table, rows, decoder_rows, self.device)
+        torch.cuda.synchronize()
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
+        encoder_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(encoder_graph, pool=self._pool):
+            streams, pre, shared = self.encoder(static, cache)
+        self._pool = encoder_graph.pool()
+        decoder_graph, logits = None, streams.new_zeros(0, self.model.cfg.vocab_size, dtype=torch.float32)
+        if decoder_rows:
+            decoder_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(decoder_graph, pool=self._pool):
+                logits = self.decoder(streams, pre, shared, static, cache)
+        torch.cuda.synchronize()
+        self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - start
+        self.stats.graph_bytes += torch.cuda.memory_reserved() - reserved
+        return _Pieces(static, encoder_graph, decoder_graph, logits)
