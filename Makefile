@@ -22,11 +22,11 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/megafuse run --config tiny --passes all
 
-# test: the suite CI runs (~30 min on 2 CPU cores); test-fast: without the `slow` tests (whole-model
-# compiles, every parametrisation past a representative: tests/marks.py), on two workers, for
+# test: the suite CI runs, on two workers (one per core); test-fast: without the `slow` tests
+# (whole-model compiles, every parametrisation past a representative: tests/marks.py), for
 # iteration; test-all: with the `exhaustive` ones too (hundreds of generated cases)
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not exhaustive" --durations=15
+	$(PY) -m pytest -q -n 2 -m "not exhaustive" --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow and not exhaustive" --durations=15

@@ -45,6 +45,7 @@ def _check_against_eager(model, **flags):
     return engine
 
 
+@pytest.mark.slow  # ~3 min of compiles on 2 CPU cores
 def test_compiled_step_per_bucket_equals_the_eager_engine(shallow):
     engine = _check_against_eager(shallow, cuda_graphs=False)
     runner = engine.step_runner
