@@ -12,7 +12,8 @@ Static shapes (RUNTIME.md invariant 5): a step is padded to a bucket, the smalle
 at least its row count, and its decoder rows to the smallest at least theirs. Each (rows, decoder
 rows) pair the engine meets compiles each region once (`fullgraph`, `dynamic=False`: the passes
 match concrete shapes) and, with graphs, is captured once. A pair is compiled and captured the
-first time it runs, so the buckets a workload never uses cost nothing.
+first time a step needs it, on a batch of padding rows before the step itself runs, so the
+buckets a workload never uses cost nothing and `setup_s` says how much of a call was set-up.
 
 The pieces: the encoder region (layers 0..L/2) and the decoder region (layers > L/2 and the
 head) are captured separately, the decoder's graph reading the encoder graph's static outputs;
@@ -87,7 +88,9 @@ class CompiledStep:
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {device.type}. "
                              "Pass cuda_graphs=False (the compiled regions run without graphs)")
-        self.model, self.layout, self.buckets, self.cuda_graphs = model, layout, sizes, cuda_graphs
+        self.model, self.layout, self.buckets = model, layout, sizes
+        self.cuda_graphs = cuda_graphs  # may be switched off later: the compiled regions then run as they are
+        self.passes = megafuse_passes.registry.resolve(passes)  # names, registry order
         kwargs = dict(passes=passes, fullgraph=True, dynamic=False)
         self.encoder = megafuse_passes.compile(EncoderRegion(model), **kwargs)
         self.decoder = megafuse_passes.compile(DecoderRegion(model), **kwargs)
@@ -95,6 +98,7 @@ class CompiledStep:
         self.cache = KVCache.allocate(model.cfg, layout, device)
         self.stats = GraphStats()
         self.compiled_buckets: set[tuple[int, int]] = set()
+        self.setup_s = 0.0
         self._graphs: dict[tuple[int, int], _Pieces] = {}
         self._pool = None
 
@@ -123,36 +127,52 @@ class CompiledStep:
         if cache is not self.cache:
             raise ValueError("a CompiledStep runs on its own cache (step.cache): its CUDA graphs hold those addresses")
         key = (len(batch.rows), len(batch.decoder))
+        self.setup_s = 0.0  # compile and capture time inside this call (benchmarks take it off)
         if key not in self.compiled_buckets:
-            start = time.perf_counter()
-            logits = self._regions(batch, cache)
-            self.stats.compiles += 1
-            self.stats.compile_s += time.perf_counter() - start
-            self.compiled_buckets.add(key)
-            return logits
+            self._compile(key)
         if not self.cuda_graphs:
             return self._regions(batch, cache)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(key, cache)
+            self._graphs[key] = self._capture(key)
         return self._graphs[key].replay(batch)
 
-    def _capture(self, key: tuple[int, int], cache: KVCache) -> _Pieces:
-        rows, decoder_rows = key
+    def _padding(self, key: tuple[int, int]) -> StepBatch:
+        """A batch of padding rows only: it writes the scratch slot and page and nothing else."""
         table = torch.full((self.layout.slots + 1, self.layout.max_pages), self.layout.scratch_page, dtype=torch.int64)
-        static = build_step(self.model.cfg, self.layout, [], table, rows, decoder_rows, self.device)
-        torch.cuda.synchronize()
+        return build_step(self.model.cfg, self.layout, [], table, *key, self.device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _compile(self, key: tuple[int, int]) -> None:
+        self._sync()
+        start = time.perf_counter()
+        self._regions(self._padding(key), self.cache)
+        self._sync()
+        seconds = time.perf_counter() - start
+        self.compiled_buckets.add(key)
+        self.stats.compiles += 1
+        self.stats.compile_s += seconds
+        self.setup_s += seconds
+
+    def _capture(self, key: tuple[int, int]) -> _Pieces:
+        cache, static = self.cache, self._padding(key)
+        self._sync()
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         encoder_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(encoder_graph, pool=self._pool):
             streams, pre, shared = self.encoder(static, cache)
         self._pool = encoder_graph.pool()
         decoder_graph, logits = None, streams.new_zeros(0, self.model.cfg.vocab_size, dtype=torch.float32)
-        if decoder_rows:
+        if key[1]:
             decoder_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(decoder_graph, pool=self._pool):
                 logits = self.decoder(streams, pre, shared, static, cache)
-        torch.cuda.synchronize()
+        self._sync()
+        seconds = time.perf_counter() - start
         self.stats.captures += 1
-        self.stats.capture_s += time.perf_counter() - start
+        self.stats.capture_s += seconds
+        self.setup_s += seconds
         self.stats.graph_bytes += torch.cuda.memory_reserved() - reserved
         return _Pieces(static, encoder_graph, decoder_graph, logits)

@@ -6,18 +6,31 @@ Every configuration serves the same seeded workload (runtime/workload.py) in one
     exact-replay       prefix cache, replay of L x W tokens on a hit, no trim (exact: RUNTIME.md 1)
     bounded-replay     prefix cache, replay of W tokens, trimmed decoder (the seed's configuration)
     bounded-no-trim    prefix cache, replay of W tokens, every prefill row through the decoder
+    bounded-no-graphs  bounded-replay with the compiled regions run without CUDA graphs
+    bounded-no-passes  bounded-replay on the step compiled by plain torch.compile (passes "none")
+
+The step is compiled with the passes (`--passes`, `--no-<pass>`) once per padded bucket
+(`--buckets`) and, on a GPU, captured as CUDA graphs; configurations with the same passes share
+the compiled step and its graphs, so compile and capture happen once (reported under "steps").
+`--eager` runs every configuration on the uncompiled step (quick CPU runs; the last two
+configurations need the compiled step and are refused with it).
 
 Time is simulated from measured step times: the clock advances by each step's wall time (CUDA
 events on a GPU), a turn arrives at its session's arrival or `think_time_s` after its previous
-output ended, and an idle engine jumps to the next arrival. TTFT is first token - arrival; the
-time per output token is (last - first token) / (outputs - 1); the output rate per user is its
-inverse, and per GPU the outputs over the whole run's time. The model runs eagerly.
+output ended, and an idle engine jumps to the next arrival. A step that compiles or captures a
+bucket is run again before the clock takes its time, so compile and capture never count as
+serving time. TTFT is first token - arrival; the time per output token is (last - first token) /
+(outputs - 1); the output rate per user is its inverse, and per GPU the outputs over the whole
+run's time.
 
-JSON (`--json PATH`), schema "megafuse.bench_serve/1":
+JSON (`--json PATH`), schema "megafuse.bench_serve/2":
 
     schema, config, dtype, quant, device     str
     workload        the AgenticWorkload fields, plus output_cap
     cache           {slots, pages, page_size, max_pages}
+    step            {mode: "compiled" | "eager", buckets: [int] | null}
+    steps           {"passes" | "no-passes": {passes: [str], counts: {pass: matches},
+                     graphs: {compiles, compile_s, captures, capture_s, graph_bytes}}}   (compiled)
     configurations  {name: {engine: {...flags}, ttft_s: {p50, p90, p99}, tpot_s: {p50, p90},
                      tokens_per_s_per_user: {p50}, tokens_per_s_per_gpu, requests, output_tokens,
                      makespan_s, prefix_hit_rate, stats: {EngineStats}, ttft_all_s: [float]}}
@@ -35,6 +48,7 @@ from rich.table import Table
 
 from megafuse.model import CacheLayout
 from megafuse.runtime import Engine
+from megafuse.runtime.graphs import CompiledStep, default_buckets
 from megafuse.runtime.workload import AgenticWorkload
 
 from . import common
@@ -45,10 +59,13 @@ CONFIGURATIONS = {
     "exact-replay": dict(prefix_cache=True, swa_bounded_replay=False, trim_decoder=False),
     "bounded-replay": dict(prefix_cache=True, swa_bounded_replay=True, trim_decoder=True),
     "bounded-no-trim": dict(prefix_cache=True, swa_bounded_replay=True, trim_decoder=False),
+    "bounded-no-graphs": dict(prefix_cache=True, swa_bounded_replay=True, trim_decoder=True, cuda_graphs=False),
+    "bounded-no-passes": dict(prefix_cache=True, swa_bounded_replay=True, trim_decoder=True, passes="none"),
 }
+NEEDS_COMPILED = ("cuda_graphs", "passes")  # flags that only mean something for the compiled step
 
 EXAMPLES = """examples:
-  megafuse bench-serve --config tiny --sessions 4 --turns 2 --context-cap 200 --output-cap 8
+  megafuse bench-serve --config tiny --sessions 4 --turns 2 --context-cap 200 --output-cap 8 --eager
   megafuse bench-serve --config flash-lite --device cuda --sessions 8 --context-cap 32768 --json serve.json --png serve.png
 """
 
@@ -71,8 +88,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", type=int, default=8, help="requests running at once (default 8)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--token-budget", type=int, default=4096, help="rows per step (default 4096)")
+    parser.add_argument("--buckets", type=_sizes, metavar="N,N,..",
+                        help="padded row counts of the compiled step (default: powers of two, then the budget)")
+    common.add_engine_step_arguments(parser)
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--png", metavar="PATH")
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated row counts, got {text!r}") from None
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -82,9 +109,8 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _serve(model, layout, flags, system, sessions, think_s, output_cap, device, budget):
+def _serve(engine: Engine, system, sessions, think_s, output_cap, device):
     """Run the workload through one engine; per-request times and the engine's stats."""
-    engine = Engine(model, layout=layout, token_budget=budget, **flags)
     stopwatch = common.Stopwatch(device)
     clock, pending, records = 0.0, [], {}  # pending: (arrival, session index, turn index, context)
     for i, s in enumerate(sessions):
@@ -101,7 +127,7 @@ def _serve(model, layout, flags, system, sessions, think_s, output_cap, device, 
             rid = engine.add_request(prompt, n_out)
             records[rid] = {"session": i, "turn": k, "arrival": arrival, "prompt": prompt, "times": []}
         produced, seconds = stopwatch(engine.step)
-        clock += seconds
+        clock += seconds - (engine.step_runner.setup_s if engine.step_runner else 0.0)  # not compile/capture
         for rid, _ in produced:
             record = records[rid]
             record["times"].append(clock)
@@ -152,6 +178,10 @@ def main(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in CONFIGURATIONS]
     if unknown or not names:
         raise ToolError(f"--configs: unknown {unknown or 'empty'}; valid: {', '.join(CONFIGURATIONS)}")
+    if args.eager:
+        compiled_only = [n for n in names if any(k in CONFIGURATIONS[n] for k in NEEDS_COMPILED)]
+        if compiled_only:
+            raise ToolError(f"--eager runs the step uncompiled; {', '.join(compiled_only)} compare compiled steps")
     args.dtype = args.quant = None
     args.prompt_len, args.batch = 1, 1
     cfg, model = common.load_model(args)
@@ -167,14 +197,37 @@ def main(args: argparse.Namespace) -> int:
     longest = max(len(system) + sum(len(t.new_tokens) + (min(t.max_new_tokens, cap) if cap else t.max_new_tokens)
                                     for t in s.turns) for s in sessions)
     layout = CacheLayout.private(args.slots, longest, args.page_size)
-    result = {"schema": "megafuse.bench_serve/1", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
+    buckets = args.buckets or default_buckets(args.token_budget)
+    options = common.engine_step_options(args)
+    steps: dict[str, CompiledStep] = {}  # shared by the configurations with the same passes
+
+    def engine(flags: dict) -> Engine:
+        flags = dict(flags)
+        if args.eager:
+            return Engine(model, layout=layout, token_budget=args.token_budget, passes=None, **flags)
+        kind = "no-passes" if flags.pop("passes", None) == "none" else "passes"
+        if kind not in steps:
+            steps[kind] = CompiledStep(model, layout=layout, buckets=buckets, cuda_graphs=options["cuda_graphs"],
+                                       passes=[] if kind == "no-passes" else options["passes"])
+        steps[kind].cuda_graphs = options["cuda_graphs"] and flags.pop("cuda_graphs", True)
+        return Engine(model, layout=layout, token_budget=args.token_budget, compiled=steps[kind], **flags)
+
+    result = {"schema": "megafuse.bench_serve/2", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
               "device": args.device, "workload": dataclasses.asdict(workload) | {"output_cap": cap},
-              "cache": dataclasses.asdict(layout), "configurations": {}, "environment": environment()}
+              "cache": dataclasses.asdict(layout),
+              "step": {"mode": "eager" if args.eager else "compiled", "buckets": None if args.eager else list(buckets)},
+              "steps": {}, "configurations": {}, "environment": environment()}
     for name in names:
         with common.step(f"serving {len(sessions)} sessions x {args.turns} turns: {name}"):
-            records, stats, makespan = _serve(model, layout, CONFIGURATIONS[name], system, sessions, args.think_time,
-                                              cap, args.device, args.token_budget)
+            try:
+                served = engine(CONFIGURATIONS[name])
+            except ValueError as e:
+                raise ToolError(str(e)) from None
+            records, stats, makespan = _serve(served, system, sessions, args.think_time, cap, args.device)
         result["configurations"][name] = {"engine": CONFIGURATIONS[name]} | _summary(records, stats, makespan)
+    for kind, step in steps.items():
+        result["steps"][kind] = {"passes": step.passes, "counts": step.report().counts(),
+                                 "graphs": dataclasses.asdict(step.stats)}
     table = Table(title=f"megafuse bench-serve: {cfg.name}, {len(sessions)} sessions x {args.turns} turns")
     table.add_column("configuration", no_wrap=True)
     for col in ("TTFT P50", "TTFT P90", "TTFT P99", "TPOT P50", "tok/s per GPU", "hit rate", "replayed", "trimmed",
@@ -187,6 +240,11 @@ def main(args: argparse.Namespace) -> int:
                       f"{c['tokens_per_s_per_gpu']:.1f}", f"{c['prefix_hit_rate']:.0%}", str(s["replayed_tokens"]),
                       str(s["trimmed_tokens"]), str(s["preemptions"]), str(s["evictions"]))
     console.print(table)
+    for kind, step in result["steps"].items():
+        g = step["graphs"]
+        console.print(f"compiled step ({kind}: {', '.join(step['passes']) or 'plain torch.compile'}): {g['compiles']} "
+                      f"buckets compiled in {g['compile_s']:.1f} s, {g['captures']} captured in {g['capture_s']:.1f} s "
+                      f"({g['graph_bytes'] / 2**30:.2f} GiB of graph memory); matches {step['counts']}")
     if args.json:
         write_json(result, args.json)
     if args.png:

@@ -82,6 +82,21 @@ def add_pass_arguments(parser: argparse.ArgumentParser, what: str = "passes to e
         group.add_argument(*flags, dest=f"no_{name}", action="store_true", help=f"disable {name} ({description})")
 
 
+def add_engine_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the engine runs its step: compiled with the passes (default) and CUDA graphs on a GPU."""
+    add_pass_arguments(parser, "passes the engine's compiled step uses")
+    parser.add_argument("--eager", action="store_true",
+                        help="run the step uncompiled, without graphs (no compile time: quick CPU runs)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run the compiled regions without CUDA graphs")
+
+
+def engine_step_options(args: argparse.Namespace) -> dict:
+    """Engine keywords from add_engine_step_arguments: passes (None = eager) and cuda_graphs."""
+    if args.eager:
+        return {"passes": None, "cuda_graphs": False}
+    return {"passes": selected_passes(args), "cuda_graphs": args.device == "cuda" and not args.no_cuda_graphs}
+
+
 def selected_passes(args: argparse.Namespace) -> list[str]:
     """`--passes` minus every `--no-<pass>`, in registry order."""
     chosen = args.passes if isinstance(args.passes, list) else passes.registry.resolve(args.passes)

@@ -4,14 +4,18 @@ Prompts come from `--prompt 1,2,3` (repeatable), `--prompts FILE` (a JSON list o
 or, without either, `--batch` random prompts of `--prompt-len` tokens. The engine (runtime.Engine)
 runs them with continuous batching over the byte cache: decodes first, chunked prefill under
 `--token-budget`, the prefix cache, bounded replay and the trimmed decoder unless turned off. The
-model runs eagerly here.
+step runs compiled with the passes (`--passes`, `--no-<pass>`), once per padded bucket, and on a
+GPU as CUDA graphs (`--no-cuda-graphs`); `--eager` runs it uncompiled (no compile time).
 
-JSON (`--json PATH`, '-' for stdout), schema "megafuse.generate/1":
+JSON (`--json PATH`, '-' for stdout), schema "megafuse.generate/2":
 
-    schema          "megafuse.generate/1"
+    schema          "megafuse.generate/2"
     config, dtype, quant, device        str
     engine          {prefix_cache, swa_bounded_replay, trim_decoder: bool, token_budget: int,
-                     cache: {slots, pages, page_size, max_pages}}
+                     cache: {slots, pages, page_size, max_pages}, step: "compiled" | "eager",
+                     passes: [str] | null, cuda_graphs: bool, buckets: [int] | null,
+                     graphs: {compiles, compile_s, captures, capture_s, graph_bytes} | null,
+                     counts: {pass: matches} | null}      (null: the eager step)
     sampling        {temperature, top_p, seed}
     requests        [{prompt_len: int, output: [int]}]
     stats           {steps, prefix_hits, hit_tokens, replayed_tokens, trimmed_tokens, preemptions,
@@ -36,7 +40,8 @@ from . import common
 from .output import ToolError, console, environment, tables_to_stderr, write_json
 
 EXAMPLES = """examples:
-  megafuse generate --config tiny --prompt 1,2,3 --prompt 4,5 --max-new-tokens 8
+  megafuse generate --config tiny --prompt 1,2,3 --prompt 4,5 --max-new-tokens 8 --eager
+  megafuse generate --config proxy --device cuda --batch 8 --prompt-len 512   # compiled, CUDA graphs
   megafuse generate --config tiny --batch 4 --prompt-len 100 --json -
   megafuse generate --config tiny --prompts prompts.json --temperature 0.8 --top-p 0.9 --seed 1
   megafuse generate --config tiny --prompt 1,2,3 --no-swa-bounded-replay --no-trim   # exact mode
@@ -57,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--no-swa-bounded-replay", action="store_true", help="replay L x W tokens on a hit (exact)")
     parser.add_argument("--no-trim", action="store_true", help="run the decoder layers on every prefill row")
+    common.add_engine_step_arguments(parser)
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
 
 
@@ -93,7 +99,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         engine = Engine(model, layout=layout, prefix_cache=not args.no_prefix_cache,
                         swa_bounded_replay=not args.no_swa_bounded_replay, trim_decoder=not args.no_trim,
-                        token_budget=args.token_budget)
+                        token_budget=args.token_budget, **common.engine_step_options(args))
         ids = [engine.add_request(p, args.max_new_tokens, sampling) for p in prompts]
     except (RequestError, ValueError) as e:
         raise ToolError(str(e)) from None
@@ -105,12 +111,19 @@ def _main(args: argparse.Namespace) -> int:
     outputs = [engine.requests[i].output for i in ids]
     stats = dataclasses.asdict(engine.stats) | {
         "seconds": seconds, "output_tokens_per_s": sum(map(len, outputs)) / seconds}
+    runner = engine.step_runner
     result = {
-        "schema": "megafuse.generate/1", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
+        "schema": "megafuse.generate/2", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
         "device": args.device,
         "engine": {"prefix_cache": engine.prefix_cache, "swa_bounded_replay": not args.no_swa_bounded_replay,
                    "trim_decoder": engine.trim, "token_budget": engine.token_budget,
-                   "cache": dataclasses.asdict(layout)},
+                   "cache": dataclasses.asdict(layout),
+                   "step": "eager" if runner is None else "compiled",
+                   "passes": None if runner is None else runner.passes,
+                   "cuda_graphs": runner is not None and runner.cuda_graphs,
+                   "buckets": None if runner is None else list(runner.buckets),
+                   "graphs": None if runner is None else dataclasses.asdict(runner.stats),
+                   "counts": None if runner is None else runner.report().counts()},
         "sampling": dataclasses.asdict(sampling),
         "requests": [{"prompt_len": len(p), "output": o} for p, o in zip(prompts, outputs)],
         "stats": stats, "environment": environment(),

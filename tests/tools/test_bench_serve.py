@@ -10,10 +10,11 @@ def test_bench_serve_runs_each_configuration_over_the_whole_workload(tmp_path, c
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     argv = ["bench-serve", "--config", "tiny", "--sessions", "2", "--turns", "2", "--system-prompt", "24",
             "--context-cap", "20", "--tool-result", "4", "8", "--output-cap", "2", "--slots", "2", "--page-size", "8",
-            "--configs", "no-prefix-cache,bounded-replay", "--json", str(out), "--png", str(png)]
+            "--configs", "no-prefix-cache,bounded-replay", "--eager", "--json", str(out), "--png", str(png)]
     assert main(argv) == 0
     r = json.loads(out.read_text())
-    assert r["schema"] == "megafuse.bench_serve/1" and list(r["configurations"]) == ["no-prefix-cache", "bounded-replay"]
+    assert r["schema"] == "megafuse.bench_serve/2" and list(r["configurations"]) == ["no-prefix-cache", "bounded-replay"]
+    assert r["step"] == {"mode": "eager", "buckets": None} and r["steps"] == {}
     for key in ("workload", "cache", "ttft_s", "tpot_s", "tokens_per_s_per_gpu", "prefix_hit_rate", "makespan_s"):
         assert key in bench_serve.__doc__, key
     for name, c in r["configurations"].items():
@@ -28,4 +29,7 @@ def test_bench_serve_runs_each_configuration_over_the_whole_workload(tmp_path, c
 
 def test_bench_serve_names_an_unknown_configuration(capsys):
     assert main(["bench-serve", "--config", "tiny", "--configs", "fast"]) == 2
-    assert "valid: no-prefix-cache, exact-replay, bounded-replay, bounded-no-trim" in capsys.readouterr().err
+    assert ("valid: no-prefix-cache, exact-replay, bounded-replay, bounded-no-trim, bounded-no-graphs, "
+            "bounded-no-passes") in capsys.readouterr().err
+    assert main(["bench-serve", "--config", "tiny", "--configs", "bounded-replay,bounded-no-graphs", "--eager"]) == 2
+    assert "--eager runs the step uncompiled; bounded-no-graphs compare compiled steps" in capsys.readouterr().err

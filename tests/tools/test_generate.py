@@ -13,10 +13,10 @@ def test_generate_in_exact_mode_returns_the_plain_models_greedy_tokens(tmp_path,
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     argv = ["generate", "--config", "tiny", "--quant", "none", "--prompts", str(tmp_path / "prompts.json"),
-            "--max-new-tokens", "3", "--no-swa-bounded-replay", "--no-trim", "--json", "-"]
+            "--max-new-tokens", "3", "--no-swa-bounded-replay", "--no-trim", "--eager", "--json", "-"]
     assert main(argv) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["schema"] == "megafuse.generate/1"
+    assert r["schema"] == "megafuse.generate/2"
     for key in ("engine", "sampling", "requests", "stats", "environment", "output_tokens_per_s", "evictions"):
         assert key in generate.__doc__ and key in json.dumps(r), key
     model = build_model(preset("tiny").replace(quant="none"), seed=0)
@@ -26,6 +26,7 @@ def test_generate_in_exact_mode_returns_the_plain_models_greedy_tokens(tmp_path,
             tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
         assert request == {"prompt_len": len(prompt), "output": tokens[len(prompt):]}
     assert r["stats"]["steps"] == 3 and not r["engine"]["trim_decoder"]
+    assert (r["engine"]["step"], r["engine"]["passes"], r["engine"]["graphs"]) == ("eager", None, None)
 
 
 def test_generate_names_bad_prompts(capsys):
