@@ -66,15 +66,19 @@ def _raw_codec(dim: int, dtype: torch.dtype) -> RowCodec:
     # Every intermediate stays in [0, 2^bits) of an integer type twice as wide, so no backend sees a
     # signed overflow (int32 for bf16's 16 bits, int64 for fp32's 32).
     wide = torch.int32 if bits == 16 else torch.int64
-    shifts = torch.arange(0, bits, 8, dtype=wide)
+
+    def shifts(device: torch.device) -> torch.Tensor:
+        # made on the device at each call: a CPU constant would be a host-to-device copy, which
+        # a CUDA graph cannot capture
+        return torch.arange(0, bits, 8, dtype=wide, device=device)
 
     def encode(x: torch.Tensor) -> torch.Tensor:
         unsigned = x.to(dtype).view(int_type).to(wide) & ((1 << bits) - 1)
-        parts = (unsigned[..., None] >> shifts.to(x.device)) & 0xFF  # [..., dim, width], low byte first
+        parts = (unsigned[..., None] >> shifts(x.device)) & 0xFF  # [..., dim, width], low byte first
         return parts.to(torch.uint8).flatten(-2)
 
     def decode(b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        unsigned = (b.unflatten(-1, (dim, width)).to(wide) << shifts.to(b.device)).sum(-1, dtype=wide)
+        unsigned = (b.unflatten(-1, (dim, width)).to(wide) << shifts(b.device)).sum(-1, dtype=wide)
         signed = torch.where(unsigned >= 1 << (bits - 1), unsigned - (1 << bits), unsigned)
         return signed.to(int_type).view(dtype).to(out_dtype)
 
