@@ -1,0 +1,151 @@
+"""H200: the engine's decode step, compiled with and without the passes, with and without CUDA graphs.
+
+    python3 -m megafuse.tools.bench_decode --config flash-lite --batches 1,32 --context 27648
+    python3 -m megafuse.tools.bench_decode --config tiny --batches 2 --context 40 --dry-run   # CPU
+
+For each batch size B: B requests each holding `--context` tokens decode one token, through the
+engine's step (runtime.graphs.CompiledStep, a bucket of B rows). Stages, each saved as it finishes:
+
+1. build: the preset on the device, seeded weights;
+2. passes-<B>: the step compiled with every pass; compile time, then the wall time of one step
+   (call to synchronised result, so the host's launch cost counts: that is what graphs remove)
+   without CUDA graphs and with them (capture time, graph memory), median of `--repeat`; the
+   logits of the two compared (max |difference|);
+3. no-passes-<B>: the same compiled by plain torch.compile (passes "none"), graphs on;
+4. summary: graphs' speed-up at each B (passes), the passes' speed-up at each B (graphs on).
+
+The contexts are synthetic: each request's pages hold zero bytes (its cache rows decode to 0.0,
+all index scores tie and the top-k picks the first entries), so the step reads and computes what
+a real context of that length costs without a prefill to fill it. Every run of a batch is the
+same step (its cache writes rewrite the same rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+
+import torch
+
+from megafuse.model import CacheLayout, Sequence, build_model, build_step, page_table, resolve_config
+from megafuse.runtime.graphs import CompiledStep
+from megafuse.tools.bench_common import Stages, default_out, require_cuda
+from megafuse.tools.common import median
+from megafuse.tools.output import environment
+
+PAGE_SIZE = 64
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m megafuse.tools.bench_decode", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="flash-lite", help="preset, config JSON or checkpoint dir (default flash-lite)")
+    parser.add_argument("--batches", type=_sizes, default=[1, 32], help="decode batch sizes (default 1,32)")
+    parser.add_argument("--context", type=int, default=27648, help="tokens each request holds (default 27648)")
+    parser.add_argument("--repeat", type=int, default=20, help="timed steps per measurement (default 20)")
+    parser.add_argument("--out", help="results JSON (default results/decode/bench.json)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, no timing claims: checks the stages run")
+    args = parser.parse_args(argv)
+    require_cuda(parser, args.dry_run)
+    if args.context < 1 or args.repeat < 1:
+        parser.error("--context and --repeat must be >= 1")
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    out = args.out or default_out("decode", args.dry_run)
+    cfg = resolve_config(args.config)
+    B_max, C = max(args.batches), args.context
+    layout = CacheLayout.private(B_max, C + 1, PAGE_SIZE)
+    results = {"schema": "megafuse.bench_decode/1", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
+               "context": C, "batches": args.batches, "cache_layout": vars(layout),
+               "method": "wall time of step() to a synchronised result, median of --repeat",
+               "date": datetime.date.today().isoformat(), "environment": environment()}
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    stages = Stages(results, out, log)
+    state: dict = {}
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def batch_of(B: int):
+        g = torch.Generator().manual_seed(B)
+        sequences = []
+        for slot in range(B):
+            seq = Sequence(slot, torch.randint(0, cfg.vocab_size, (C + 1,), generator=g).tolist(), cfg.window,
+                           pages=list(range(slot * layout.max_pages, (slot + 1) * layout.max_pages)))
+            seq.done, seq.prefilled = C, True  # the synthetic context (module docstring)
+            sequences.append(seq)
+        chunks = [s.chunk(1, True, True) for s in sequences]
+        return build_step(cfg, layout, chunks, page_table(layout, sequences), B, B, device)
+
+    def timed(step: CompiledStep, batch) -> float:
+        times = []
+        with torch.no_grad():
+            for _ in range(args.repeat):
+                sync()
+                start = time.perf_counter()
+                step(batch, step.cache)
+                sync()
+                times.append(time.perf_counter() - start)
+        return median(times)
+
+    def measure(B: int, passes: str, both_graph_modes: bool) -> dict:
+        step = CompiledStep(state["model"], layout=layout, buckets=(B,), passes=passes, cuda_graphs=False)
+        batch = batch_of(B)
+        with torch.no_grad():
+            start = time.perf_counter()
+            eager_graph_logits = step(batch, step.cache).clone()
+            sync()
+            out = {"compile_s": round(time.perf_counter() - start, 1), "counts": step.report().counts()}
+            if both_graph_modes:
+                out["no_graphs_step_s"] = timed(step, batch)
+            if device.type == "cuda":
+                step.cuda_graphs = True
+                graph_logits = step(batch, step.cache).clone()
+                out["graphs_step_s"] = timed(step, batch)
+                out["capture_s"] = step.stats.capture_s
+                out["graph_bytes"] = step.stats.graph_bytes
+                out["graphs_vs_no_graphs_max_abs"] = (graph_logits - eager_graph_logits).abs().max().item()
+        return out
+
+    def build():
+        start = time.time()
+        with torch.no_grad():
+            state["model"] = build_model(cfg, seed=0, device=device)
+        return {"seconds": round(time.time() - start, 1)}
+
+    def summary():
+        rows = {}
+        for B in args.batches:
+            fused, plain = results.get(f"passes-{B}", {}), results.get(f"no-passes-{B}", {})
+            rows[B] = {"graphs_speedup": _ratio(fused.get("no_graphs_step_s"), fused.get("graphs_step_s")),
+                       "passes_speedup": _ratio(plain.get("graphs_step_s"), fused.get("graphs_step_s"))}
+        return rows
+
+    stages.run("build", build)
+    if results["stages"]["build"]["ok"]:
+        for B in args.batches:
+            stages.run(f"passes-{B}", lambda B=B: measure(B, "all", True))
+            stages.run(f"no-passes-{B}", lambda B=B: measure(B, "none", False))
+        stages.run("summary", summary)
+    log(f"wrote {out}")
+    return 0 if all(s["ok"] for s in results["stages"].values()) else 1
+
+
+def _ratio(slow: float | None, fast: float | None) -> float | None:
+    return slow / fast if slow and fast else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
