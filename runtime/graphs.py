@@ -159,6 +159,9 @@ class CompiledStep:
     def _capture(self, key: tuple[int, int]) -> _Pieces:
         cache, static = self.cache, self._padding(key)
         self._sync()
+        # torch.cuda.graph empties the allocator's cache as it starts: empty it first, so the
+        # growth of reserved memory is what the graphs' pool took
+        torch.cuda.empty_cache()
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         encoder_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(encoder_graph, pool=self._pool):
