@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -50,6 +51,32 @@ def strip(node, *, layout: bool = True, converts: bool = True) -> tuple[fx.Node,
 def val(node):
     """The fake tensor (or value) Inductor keeps for a node."""
     return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+_shape_env = None  # the ShapeEnv of the last symbolic size seen (the graph being matched)
+
+
+def size_of(size):
+    """A size as the matchers compare and hash it: an int, or a symbolic size's sympy expression
+    (a dynamic row count: SymInts do not hash, their expressions compare structurally)."""
+    global _shape_env
+    if isinstance(size, torch.SymInt):
+        _shape_env = size.node.shape_env
+        return size.node.expr
+    return int(size)
+
+
+def known_less(a, b) -> bool:
+    """a < b for sizes from size_of: exact for ints; for symbolic sizes, true only where the
+    compile's value ranges prove it (Inductor's size variables), so a match never adds a guard."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a < b
+    return _shape_env is not None and _shape_env.bound_sympy(sympy.sympify(b) - a).lower > 0
+
+
+def shape(node) -> tuple:
+    """The node's shape, each size through size_of."""
+    return tuple(size_of(d) for d in val(node).shape)
 
 
 def rank(node) -> int | None:

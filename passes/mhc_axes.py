@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .graph import MKL_LINEAR, aten, arg, dtype, is_convert, is_op, rank, val
+from .graph import MKL_LINEAR, aten, arg, dtype, is_convert, is_op, known_less, rank, shape, val
 
 # Ops that move or view a tensor's elements without computing: the matcher reads through them.
 LAYOUT = (aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze, aten.permute,
@@ -31,7 +31,7 @@ GEMMS = (aten.mm, aten.bmm, *MKL_LINEAR)
 # expanded size-1 axis is an atom with no members). Size-1 axes are empty: they carry nothing.
 
 def _source_axes(node: fx.Node) -> tuple:
-    return tuple(() if size == 1 else ((frozenset({(node, d)}), size),) for d, size in enumerate(val(node).shape))
+    return tuple(() if size == 1 else ((frozenset({(node, d)}), size),) for d, size in enumerate(shape(node)))
 
 
 def _regroup(axes: tuple, shape) -> tuple | None:
@@ -41,7 +41,7 @@ def _regroup(axes: tuple, shape) -> tuple | None:
     out, i = [], 0
     for size in shape:
         group, product = [], 1
-        while product < size and i < len(atoms):
+        while known_less(product, size) and i < len(atoms):
             group.append(atoms[i])
             product *= atoms[i][1]
             i += 1
@@ -62,7 +62,7 @@ def _forward(op: fx.Node, axes: tuple) -> tuple | None:
     if is_op(op, aten.squeeze):
         dims = op.args[1] if len(op.args) > 1 else range(rank_in)
         dims = {d % rank_in for d in (dims if isinstance(dims, (list, tuple, range)) else [dims])}
-        return tuple(a for d, a in enumerate(axes) if d not in dims or val(op.args[0]).shape[d] != 1)
+        return tuple(a for d, a in enumerate(axes) if d not in dims or shape(op.args[0])[d] != 1)
     if is_op(op, aten.permute):
         return tuple(axes[d % rank_in] for d in op.args[1])
     if is_op(op, aten.transpose, aten.t):
@@ -70,13 +70,13 @@ def _forward(op: fx.Node, axes: tuple) -> tuple | None:
         swapped = list(axes)
         swapped[a], swapped[b] = swapped[b], swapped[a]
         return tuple(swapped)
-    shape = tuple(val(op).shape)
+    out = shape(op)
     if is_op(op, aten.expand):
-        lead = len(shape) - rank_in
+        lead = len(out) - rank_in
         old = ((),) * lead + axes
-        return tuple(a if a or size == 1 else ((frozenset(), size),) for a, size in zip(old, shape))
+        return tuple(a if a or size == 1 else ((frozenset(), size),) for a, size in zip(old, out))
     if is_op(op, aten.view, aten.reshape, aten._unsafe_view):
-        return _regroup(axes, shape)
+        return _regroup(axes, out)
     return None
 
 
@@ -100,8 +100,8 @@ def atom_members(axes: tuple) -> list[frozenset]:
 def leading_atoms(source: fx.Node, skip: int, *others: fx.Node) -> list[frozenset]:
     """The atoms of `source`'s leading axes (all but its last `skip`), each paired with the same
     axis of `others` (tensors of the seam share their leading, token dims)."""
-    shape = val(source).shape
-    return [frozenset({(source, d)} | {(o, d) for o in others}) for d in range(len(shape) - skip) if shape[d] != 1]
+    sizes = shape(source)
+    return [frozenset({(source, d)} | {(o, d) for o in others}) for d in range(len(sizes) - skip) if sizes[d] != 1]
 
 
 def widens(node) -> bool:
@@ -252,5 +252,5 @@ def lift(node: fx.Node, axes: tuple) -> tuple[fx.Node, tuple, list[fx.Node]]:
 
 def has_shape(*shapes):
     """A `want` for trace: a node of one of these shapes."""
-    shapes = {tuple(s) for s in shapes}
-    return lambda node: rank(node) is not None and tuple(val(node).shape) in shapes
+    shapes = [tuple(s) for s in shapes]  # a list: symbolic sizes do not hash
+    return lambda node: rank(node) is not None and any(shape(node) == s for s in shapes)

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from .base import NoMatch
 from .graph import (MKL_LINEAR, aten, arg, dtype, frozen_value, frozen_weight, is_convert, is_last_dim, is_op,
-                    keeps_leading, last_dim_parts, new_constant, prims, rank, scalar, sole_user, unpadded, val)
+                    keeps_leading, last_dim_parts, new_constant, prims, rank, scalar, shape, sole_user, unpadded, val)
 from .mhc_axes import (GEMMS, LAYOUT, Traced, atom_members, contract, contraction_at, gemm_operands, has_shape,
                        leading_atoms, lift, replay, trace, unwiden, widen_path, widens)
 
@@ -247,10 +247,11 @@ def _streams_for(width: int) -> list[int]:
 
 
 def gemm_weight(core: fx.Node) -> tuple[Traced, int] | None:
-    """The rank-2 weight a GEMM reads and which of its operands it is (0 or 1)."""
+    """The rank-2 weight a GEMM reads and which of its operands it is (0 or 1). A weight has a
+    static shape (a symbolic size is a dynamic row count: an activation)."""
     for index, operand in ((1, gemm_operands(core)[1]), (0, gemm_operands(core)[0])):
         traced = trace(operand)
-        if traced is not None and rank(traced.source) == 2:
+        if traced is not None and rank(traced.source) == 2 and all(isinstance(d, int) for d in shape(traced.source)):
             return traced, index
     return None
 
@@ -276,7 +277,7 @@ def _projection(core: fx.Node):
         if K % n:
             continue
         def want(node, n=n):  # the [.., n, D] stream the flatten reads
-            return rank(node) is not None and rank(node) >= 3 and tuple(val(node).shape[-2:]) == (n, K // n)
+            return rank(node) is not None and rank(node) >= 3 and shape(node)[-2:] == (n, K // n)
 
         x, scaled_by, scaled_path = trace(x_operand, want), None, []
         if x is None:  # HF's order: the projection reads x * r
@@ -429,7 +430,7 @@ def match_head(core: fx.Node) -> Head:
     # [n, n] either before the affine map (HF) or after it (ours)
     comb_logits = ([adds[2]] if rank(adds[2]) == rank(m_comb) + 1 else
                    [u for u in adds[2].users if is_op(u, aten.view, aten.reshape, aten._unsafe_view)])
-    if len(comb_logits) != 1 or tuple(val(comb_logits[0]).shape[-2:]) != (n, n):
+    if len(comb_logits) != 1 or shape(comb_logits[0])[-2:] != (n, n):
         raise NoMatch("comb logits are not reshaped to [n, n]")
     comb, hc_eps, iters, sink_nodes = _sinkhorn(comb_logits[0])
     if pre_eps[1] != hc_eps:
@@ -480,8 +481,8 @@ def match_post(stream: fx.Node) -> Post | None:
     add = _post_add(stream)
     if add is None:
         return None
-    shape = tuple(val(stream).shape)
-    lead, n, D = shape[:-2], shape[-2], shape[-1]
+    sizes = shape(stream)
+    lead, n, D = sizes[:-2], sizes[-2], sizes[-1]
     if n == D:
         return None  # comb [.., n, n] and X [.., n, D] cannot be told apart by their shapes
     # each operand read down to the lowest tensor of its shape (X, not the embedding a first stream
@@ -492,8 +493,8 @@ def match_post(stream: fx.Node) -> Post | None:
         mix = contraction_at(mix_top, lambda o: trace(o, mix_want))
         if gate is None or mix is None or gate.summed or not mix.summed:
             continue
-        gate_src = {tuple(val(t.source).shape): t.source for t in gate.operands}
-        mix_src = {tuple(val(t.source).shape): t.source for t in mix.operands}
+        gate_src = {shape(t.source): t.source for t in gate.operands}
+        mix_src = {shape(t.source): t.source for t in mix.operands}
         if set(gate_src) != {lead + (n,), lead + (D,)} or set(mix_src) != {lead + (n, n), lead + (n, D)}:
             continue
         post, y = gate_src[lead + (n,)], gate_src[lead + (D,)]
@@ -503,7 +504,7 @@ def match_post(stream: fx.Node) -> Post | None:
             wide = sorted(str(d).removeprefix("torch.") for d in computes - {F32})
             raise NoMatch(f"the post mixes in {', '.join(wide)} (HF's bf16 post rounds post and comb first), "
                           f"not in fp32 like the reference")
-        r = len(shape)
+        r = len(sizes)
         if mix.summed == [frozenset({(comb, r - 1), (streams, r - 2)})]:
             raise NoMatch("the residual mix is C X (it sums over comb's second index), not C^T X")
         if mix.summed != [frozenset({(comb, r - 2), (streams, r - 2)})] or atom_members(mix.axes) != (
@@ -667,17 +668,17 @@ def collapse_cores(stream: fx.Node) -> list[fx.Node]:
 def match_collapse(stream: fx.Node, whose: str) -> Collapse:
     """The hc_pre + RMSNorm reading `stream` (`whose` stream: for the reason), or NoMatch saying
     what is missing."""
-    shape = tuple(val(stream).shape)
-    lead, n = shape[:-2], shape[-2]
-    r = len(shape)
-    want = lambda node: node is stream or tuple(val(node).shape) == lead + (n,)  # noqa: E731
+    sizes = shape(stream)
+    lead, n = sizes[:-2], sizes[-2]
+    r = len(sizes)
+    want = lambda node: node is stream or shape(node) == lead + (n,)  # noqa: E731
     reasons = []
     for core in collapse_cores(stream):
         found = contract(core, lambda o: trace(o, want))
         if found is None or stream not in [t.source for t in found.operands]:
             continue
         pre = next((t.source for t in found.operands if t.source is not stream), None)
-        if pre is None or tuple(val(pre).shape) != lead + (n,):
+        if pre is None or shape(pre) != lead + (n,):
             continue
         top, axes, lifted = lift(core, found.axes)
         if found.summed != [frozenset({(pre, r - 2), (stream, r - 2)})] or atom_members(axes) != (

@@ -8,12 +8,15 @@ region captured as a CUDA graph per padded bucket (piecewise CUDA graphs).
 The step owns the byte cache it runs on (`step.cache`, allocated for `layout`): a CUDA graph
 replays on the addresses it captured, so engines that share a step share its cache, one at a time.
 
-Static shapes (RUNTIME.md invariant 5): a step is padded to a bucket, the smallest bucket size
-at least its row count, and its decoder rows to the smallest at least theirs. Each (rows, decoder
-rows) pair the engine meets compiles each region once (`fullgraph`, `dynamic=False`: the passes
-match concrete shapes) and, with graphs, is captured once. A pair is compiled and captured the
-first time a step needs it, on a batch of padding rows before the step itself runs, so the
-buckets a workload never uses cost nothing and `setup_s` says how much of a call was set-up.
+Static shapes per bucket (RUNTIME.md invariant 5): a step is padded to a bucket, the smallest
+bucket size at least its row count, and its decoder rows to the smallest at least theirs; each
+(rows, decoder rows) pair is captured once. The compiled regions take the row counts as symbolic
+sizes (the batch's row tensors are marked dynamic where they hold 2 or more rows), so one compile
+of each region serves every bucket of 2 or more rows and decoder rows; a single row and an empty
+decoder batch are sizes Dynamo specialises on, and compile graphs of their own. A bucket is
+prepared (compiled where new, captured) the first time a step needs it, on a batch of padding
+rows before the step itself runs, so the buckets a workload never uses cost nothing and `setup_s`
+says how much of a call was set-up.
 
 The pieces: the encoder region (layers 0..L/2) and the decoder region (layers > L/2 and the
 head) are captured separately, the decoder's graph reading the encoder graph's static outputs;
@@ -47,8 +50,9 @@ def default_buckets(token_budget: int) -> tuple[int, ...]:
 
 @dataclass
 class GraphStats:
-    compiles: int = 0  # (rows, decoder rows) buckets compiled, both regions each
-    compile_s: float = 0.0  # first runs of each bucket, compiles included
+    buckets: int = 0  # (rows, decoder rows) buckets run so far
+    first_run_s: float = 0.0  # their first runs (on padding rows), compiles included
+    graphs: int = 0  # region graphs compiled (a bucket of new sizes only)
     captures: int = 0  # buckets captured as CUDA graphs
     capture_s: float = 0.0
     graph_bytes: int = 0  # device memory the graphs' pool reserves
@@ -66,6 +70,14 @@ class _Pieces:
         if self.decoder_graph is not None:
             self.decoder_graph.replay()
         return self.logits
+
+
+def _mark_rows_dynamic(batch: StepBatch) -> None:
+    """Row counts of 2 or more become symbolic sizes (0 and 1 are specialised by Dynamo anyway)."""
+    tensors = [getattr(rows, f.name) for rows in (batch.rows, batch.decoder) for f in fields(Rows)]
+    for t in tensors + [batch.decoder_index]:
+        if t.shape[0] >= 2:
+            torch._dynamo.mark_dynamic(t, 0)
 
 
 def _copy_batch(static: StepBatch, batch: StepBatch) -> None:
@@ -91,7 +103,7 @@ class CompiledStep:
         self.model, self.layout, self.buckets = model, layout, sizes
         self.cuda_graphs = cuda_graphs  # may be switched off later: the compiled regions then run as they are
         self.passes = megafuse_passes.registry.resolve(passes)  # names, registry order
-        kwargs = dict(passes=passes, fullgraph=True, dynamic=False)
+        kwargs = dict(passes=passes, fullgraph=True, dynamic=None)  # row counts: marked per call
         self.encoder = megafuse_passes.compile(EncoderRegion(model), **kwargs)
         self.decoder = megafuse_passes.compile(DecoderRegion(model), **kwargs)
         self.device = device
@@ -117,10 +129,9 @@ class CompiledStep:
         return pad(rows), (pad(decoder_rows) if decoder_rows else 0)
 
     def _regions(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
-        # every bucket is its own static graph of the same code: allow one per bucket, and fail
-        # loudly rather than fall back to eager if that is ever exceeded
-        with torch._dynamo.config.patch(recompile_limit=max(8, len(self.buckets) ** 2),
-                                        fail_on_recompile_limit_hit=True):
+        _mark_rows_dynamic(batch)
+        # fail loudly rather than fall back to eager if the graphs ever exceed Dynamo's limit
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
             return self.model.step(batch, cache, self.encoder, self.decoder)
 
     def __call__(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
@@ -152,8 +163,9 @@ class CompiledStep:
         self._sync()
         seconds = time.perf_counter() - start
         self.compiled_buckets.add(key)
-        self.stats.compiles += 1
-        self.stats.compile_s += seconds
+        self.stats.buckets += 1
+        self.stats.first_run_s += seconds
+        self.stats.graphs = len(self.report().graphs)
         self.setup_s += seconds
 
     def _capture(self, key: tuple[int, int]) -> _Pieces:

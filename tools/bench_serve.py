@@ -30,7 +30,7 @@ JSON (`--json PATH`), schema "megafuse.bench_serve/2":
     cache           {slots, pages, page_size, max_pages}
     step            {mode: "compiled" | "eager", buckets: [int] | null}
     steps           {"passes" | "no-passes": {passes: [str], counts: {pass: matches},
-                     graphs: {compiles, compile_s, captures, capture_s, graph_bytes}}}   (compiled)
+                     graphs: {buckets, first_run_s, graphs, captures, capture_s, graph_bytes}}}   (compiled)
     configurations  {name: {engine: {...flags}, ttft_s: {p50, p90, p99}, tpot_s: {p50, p90},
                      tokens_per_s_per_user: {p50}, tokens_per_s_per_gpu, requests, output_tokens,
                      makespan_s, prefix_hit_rate, stats: {EngineStats}, ttft_all_s: [float]}}
@@ -242,8 +242,9 @@ def main(args: argparse.Namespace) -> int:
     console.print(table)
     for kind, step in result["steps"].items():
         g = step["graphs"]
-        console.print(f"compiled step ({kind}: {', '.join(step['passes']) or 'plain torch.compile'}): {g['compiles']} "
-                      f"buckets compiled in {g['compile_s']:.1f} s, {g['captures']} captured in {g['capture_s']:.1f} s "
+        console.print(f"compiled step ({kind}: {', '.join(step['passes']) or 'plain torch.compile'}): {g['graphs']} "
+                      f"region graphs compiled, {g['buckets']} buckets first run in {g['first_run_s']:.1f} s, "
+                      f"{g['captures']} captured in {g['capture_s']:.1f} s "
                       f"({g['graph_bytes'] / 2**30:.2f} GiB of graph memory); matches {step['counts']}")
     if args.json:
         write_json(result, args.json)

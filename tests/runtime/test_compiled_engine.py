@@ -45,32 +45,31 @@ def _check_against_eager(model, **flags):
     return engine
 
 
-@pytest.mark.slow  # ~3 min of compiles on 2 CPU cores
+@pytest.mark.slow  # ~2 min of compiles on 2 CPU cores
 def test_compiled_step_per_bucket_equals_the_eager_engine(shallow):
     engine = _check_against_eager(shallow, cuda_graphs=False)
     runner = engine.step_runner
     # prefill steps pad to 32 rows (decoder rows: 8 for a short tail, 32, or none for a non-final
-    # chunk), decodes of 3 requests to 8; each bucket compiles once, the encoder-only one has no
-    # decoder graph
+    # chunk), decodes of 3 requests to 8
     buckets = runner.compiled_buckets
     assert (8, 8) in buckets and (32, 32) in buckets and (32, 0) in buckets and buckets <= {(8, 8), (32, 8), (32, 32), (32, 0)}
-    assert runner.stats.compiles == len(buckets) and runner.stats.captures == 0
+    assert runner.stats.buckets == len(buckets) and runner.stats.captures == 0
     report = runner.report()
     rejected = {name: [r.reason for r in report.rejections(name)] for name in report.pass_names}
     assert rejected == {"mega_mhc": [], "mega_gate": []}
     per_graph = [tuple(len(p.matches) for p in graph.passes) for graph in report.graphs]
-    # an encoder graph per bucket: 2 seams and 1 gate per layer (3 layers); a decoder graph per
-    # decoder-row count (the region reads only the decoder rows): 2 seams per layer, the head's
+    # symbolic row counts: one encoder graph serves every bucket with decoder rows and one the
+    # bucket without (an empty decoder batch is a size Dynamo specialises on); one decoder graph
+    # serves all. Encoder: 2 seams and 1 gate per layer (3 layers); decoder: 2 seams, the head's
     # collapse, 1 gate
-    assert per_graph.count((6, 3)) == len(buckets)
-    assert per_graph.count((3, 1)) == len({m for _, m in buckets if m}) == len(per_graph) - len(buckets)
+    assert sorted(per_graph) == [(3, 1), (6, 3), (6, 3)] and runner.stats.graphs == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_replay_the_compiled_step(shallow):
     engine = _check_against_eager(shallow.cuda(), cuda_graphs=True)
     stats = engine.step_runner.stats
-    assert stats.captures == stats.compiles == len(engine.step_runner.compiled_buckets) and stats.graph_bytes > 0
+    assert stats.captures == stats.buckets == len(engine.step_runner.compiled_buckets) and stats.graph_bytes > 0
 
 
 def test_default_buckets_reach_the_token_budget():
