@@ -73,6 +73,18 @@ def test_every_fp32_variant_matches_once_and_equals_the_chain(tmp_path, score_fu
     _assert_same_routing(out, module(u), rtol=1e-5, choice=_choice(module, u))
 
 
+def test_the_gate_fuses_on_a_symbolic_token_count(tmp_path):
+    # the runtime's compiled step marks its row counts dynamic: one graph, one match, any T >= 2
+    module = GateChain(score_func="sqrtsoftplus", bias=True, renorm="eps", scale=1.5)
+    fused = _compile(module, tmp_path)
+    for T in (33, 5, 2):
+        u = torch.randn(T, 64, generator=torch.Generator().manual_seed(T))
+        torch._dynamo.mark_dynamic(u, 0)
+        _assert_same_routing(fused(u), module(u), rtol=1e-5, choice=_choice(module, u))
+    assert len(fused.report.graphs) == 1 and fused.report.counts() == {"mega_gate": 1}
+    assert "aten.topk" not in _after_graph(tmp_path)
+
+
 @pytest.mark.parametrize("score_func", ["sqrtsoftplus", "softmax"])
 def test_a_frozen_gate_fuses_too(tmp_path, score_func):
     # Inductor's freezing (inference) makes the gate weight a constant and folds its transpose

@@ -14,6 +14,7 @@ from torch._inductor import config as inductor_config
 from megafuse.model import build_model, preset
 from megafuse.model.layers import RMSNorm
 from megafuse.model.mhc import HyperConnection, hc_post, hc_pre
+from tests.marks import slow_beyond
 from tests.passes.cuda_forms import CUDA_FORMS, TORCH_2_11_FORMS
 from tests.passes.online_softmax import ONLINE_SOFTMAX
 from tests.passes.post_grad import fuse
@@ -88,6 +89,23 @@ def test_every_seam_form_matches_and_equals_the_chain(tmp_path, form, dtype, sof
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for got, want in zip(out, ref):
         assert _rel(got, want) <= tol
+
+
+@pytest.mark.parametrize("form", slow_beyond(["delayed", "first", "engram", "final", "fresh"]))
+def test_every_seam_form_fuses_on_a_symbolic_token_count(form):
+    # the runtime's compiled step marks its row counts dynamic (and only those): one graph, one
+    # match, any T >= 2
+    module = Seam(form)
+    torch._dynamo.reset()
+    fused = passes.compile(module, passes=["mega_mhc"], fullgraph=True)
+    for T in (7, 13, 2):
+        args = _inputs(T, torch.float32, seed=T)
+        for a in args:
+            torch._dynamo.mark_dynamic(a, 0)
+        for got, want in zip(fused(*args), module(*args)):
+            assert _rel(got, want) <= 1e-5
+    assert len(fused.report.graphs) == 1
+    assert fused.report.counts() == {"mega_mhc": 1}, fused.report.rejections("mega_mhc")
 
 
 @pytest.mark.parametrize("T", [1, 5])  # T = 1: the post's mix is an mm (Inductor's bmm_to_mm on GPUs)
