@@ -90,7 +90,7 @@ class Engine:
                  keep_logits: bool = False):
         """passes: "all", "none", a list of pass names (the compiled step), or None (eager step).
         cuda_graphs: capture the compiled regions per bucket (None: where the model is on CUDA).
-        buckets: the padded row counts of the compiled step (default: powers of two up to the
+        buckets: the padded row counts of the compiled step (default: powers of two from 2 up to the
         token budget, then the budget); the largest must reach the token budget.
         compiled: a CompiledStep of this model and layout to run instead (engines that share one
         share its compiled graphs and CUDA graphs: bench-serve's configurations)."""

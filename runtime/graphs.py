@@ -11,16 +11,16 @@ replays on the addresses it captured, so engines that share a step share its cac
 Static shapes per bucket (RUNTIME.md invariant 5): a step is padded to a bucket, the smallest
 bucket size at least its row count, and its decoder rows to the smallest at least theirs; each
 (rows, decoder rows) pair is captured once. The compiled regions take the row counts as symbolic
-sizes (the batch's row tensors are marked dynamic where they hold 2 or more rows), so one compile
-of each region serves every bucket of 2 or more rows and decoder rows; a single row and an empty
-decoder batch are sizes Dynamo specialises on, and compile graphs of their own. A bucket is
+sizes (the batch's row tensors are marked dynamic), so one graph of each region serves every
+bucket. Buckets hold at least 2 rows, and a step without decoder rows (a non-final chunk under the
+trim) pads to the smallest bucket of them too: 0 and 1 are sizes Dynamo specialises on, which
+would compile graphs of their own (the padding rows cost a decode of that many rows). A bucket is
 prepared (compiled where new, captured) the first time a step needs it, on a batch of padding
 rows before the step itself runs, so the buckets a workload never uses cost nothing and `setup_s`
 says how much of a call was set-up.
 
 The pieces: the encoder region (layers 0..L/2) and the decoder region (layers > L/2 and the
-head) are captured separately, the decoder's graph reading the encoder graph's static outputs;
-a step without decoder rows (a non-final chunk under the trim) replays only the encoder piece.
+head) are captured separately, the decoder's graph reading the encoder graph's static outputs.
 Padding rows write only the cache's scratch slot and page, so the capture itself (run on an
 all-padding batch) leaves every request's cache untouched. All graphs share one memory pool:
 they replay one at a time, and each step's logits are read before the next replay.
@@ -40,12 +40,12 @@ from megafuse.passes.report import CompileReport
 
 
 def default_buckets(token_budget: int) -> tuple[int, ...]:
-    """Powers of two below the token budget, then the budget: a step never exceeds it."""
-    sizes, size = [], 1
+    """Powers of two from 2 below the token budget, then the budget: a step never exceeds it."""
+    sizes, size = [], 2
     while size < token_budget:
         sizes.append(size)
         size *= 2
-    return tuple(sizes) + (token_budget,)
+    return tuple(sizes) + (max(token_budget, 2),)
 
 
 @dataclass
@@ -67,17 +67,15 @@ class _Pieces:
     def replay(self, batch: StepBatch) -> torch.Tensor:
         _copy_batch(self.batch, batch)
         self.encoder_graph.replay()
-        if self.decoder_graph is not None:
-            self.decoder_graph.replay()
+        self.decoder_graph.replay()
         return self.logits
 
 
 def _mark_rows_dynamic(batch: StepBatch) -> None:
-    """Row counts of 2 or more become symbolic sizes (0 and 1 are specialised by Dynamo anyway)."""
+    """The row counts become symbolic sizes (buckets hold 2 or more rows)."""
     tensors = [getattr(rows, f.name) for rows in (batch.rows, batch.decoder) for f in fields(Rows)]
     for t in tensors + [batch.decoder_index]:
-        if t.shape[0] >= 2:
-            torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(t, 0)
 
 
 def _copy_batch(static: StepBatch, batch: StepBatch) -> None:
@@ -94,8 +92,11 @@ class CompiledStep:
     def __init__(self, model, *, layout: CacheLayout, buckets: tuple[int, ...], passes="all",
                  cuda_graphs: bool = False):
         sizes = tuple(int(b) for b in buckets)
-        if not sizes or any(b < 1 for b in sizes) or list(sizes) != sorted(set(sizes)):
-            raise ValueError(f"buckets must be increasing positive row counts, got {buckets}")
+        if not sizes or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"buckets must be increasing row counts, got {buckets}")
+        if sizes[0] < 2:
+            raise ValueError(f"buckets must hold at least 2 rows, got {buckets}: Dynamo specialises a size of 1, "
+                             "so a 1-row bucket would compile graphs of its own (one request pads to 2 rows)")
         device = model.embed.weight.device
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {device.type}. "
@@ -126,7 +127,7 @@ class CompiledStep:
                     return size
             raise ValueError(f"a step of {n} rows exceeds the largest bucket ({self.buckets[-1]}); "
                              f"the buckets must reach the engine's token budget")
-        return pad(rows), (pad(decoder_rows) if decoder_rows else 0)
+        return pad(rows), pad(decoder_rows)  # no decoder rows pads to the smallest bucket too: one graph
 
     def _regions(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
         _mark_rows_dynamic(batch)
@@ -179,11 +180,9 @@ class CompiledStep:
         with torch.cuda.graph(encoder_graph, pool=self._pool):
             streams, pre, shared = self.encoder(static, cache)
         self._pool = encoder_graph.pool()
-        decoder_graph, logits = None, streams.new_zeros(0, self.model.cfg.vocab_size, dtype=torch.float32)
-        if key[1]:
-            decoder_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(decoder_graph, pool=self._pool):
-                logits = self.decoder(streams, pre, shared, static, cache)
+        decoder_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(decoder_graph, pool=self._pool):
+            logits = self.decoder(streams, pre, shared, static, cache)
         self._sync()
         seconds = time.perf_counter() - start
         self.stats.captures += 1

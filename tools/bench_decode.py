@@ -4,7 +4,8 @@
     python3 -m megafuse.tools.bench_decode --config tiny --batches 2 --context 40 --dry-run   # CPU
 
 For each batch size B: B requests each holding `--context` tokens decode one token, through the
-engine's step (runtime.graphs.CompiledStep, a bucket of B rows). Stages, each saved as it finishes:
+engine's step (runtime.graphs.CompiledStep, a bucket of max(B, 2) rows: buckets hold at least 2).
+Stages, each saved as it finishes:
 
 1. build: the preset on the device, seeded weights;
 2. passes-<B>: the step compiled with every pass; compile time, then the wall time of one step
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             seq.done, seq.prefilled = C, True  # the synthetic context (module docstring)
             sequences.append(seq)
         chunks = [s.chunk(1, True, True) for s in sequences]
-        return build_step(cfg, layout, chunks, page_table(layout, sequences), B, B, device)
+        bucket = max(B, 2)
+        return build_step(cfg, layout, chunks, page_table(layout, sequences), bucket, bucket, device)
 
     def timed(step: CompiledStep, batch) -> float:
         times = []
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         return median(times)
 
     def measure(B: int, passes: str, both_graph_modes: bool) -> dict:
-        step = CompiledStep(state["model"], layout=layout, buckets=(B,), passes=passes, cuda_graphs=False)
+        step = CompiledStep(state["model"], layout=layout, buckets=(max(B, 2),), passes=passes, cuda_graphs=False)
         batch = batch_of(B)
         with torch.no_grad():
             start = time.perf_counter()

@@ -29,6 +29,7 @@ JSON (`--json PATH`), schema "megafuse.bench_serve/2":
     workload        the AgenticWorkload fields, plus output_cap
     cache           {slots, pages, page_size, max_pages}
     step            {mode: "compiled" | "eager", buckets: [int] | null}
+    prefill_probe   {tokens, steps, trim_ttft_s, no_trim_ttft_s, trim_speedup}   (with --prefill-probe)
     steps           {"passes" | "no-passes": {passes: [str], counts: {pass: matches},
                      graphs: {buckets, first_run_s, graphs, captures, capture_s, graph_bytes}}}   (compiled)
     configurations  {name: {engine: {...flags}, ttft_s: {p50, p90, p99}, tpot_s: {p50, p90},
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import torch
 from rich.table import Table
 
 from megafuse.model import CacheLayout
@@ -88,8 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", type=int, default=8, help="requests running at once (default 8)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--token-budget", type=int, default=4096, help="rows per step (default 4096)")
+    parser.add_argument("--prefill-probe", type=int, metavar="TOKENS",
+                        help="also time one TOKENS-token prompt's prefill on an idle engine, trimmed and not")
     parser.add_argument("--buckets", type=_sizes, metavar="N,N,..",
-                        help="padded row counts of the compiled step (default: powers of two, then the budget)")
+                        help="padded row counts of the compiled step (default: powers of two from 2, then the budget; each >= 2)")
     common.add_engine_step_arguments(parser)
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--png", metavar="PATH")
@@ -136,6 +140,24 @@ def _serve(engine: Engine, system, sessions, think_s, output_cap, device):
                 pending.append((clock + think_s, record["session"], record["turn"] + 1,
                                 record["prompt"] + request.output))
     return records, engine.stats, clock
+
+
+def _prefill_probe(engine, cfg, tokens: int, device) -> dict:
+    """TTFT of one `tokens`-token prompt on an idle engine (no prefix cache), with and without the
+    trim: the sum of its prefill steps' times (compile and capture taken off)."""
+    prompt = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
+    stopwatch, out = common.Stopwatch(device), {"tokens": tokens}
+    for name, trim in (("trim", True), ("no_trim", False)):
+        served = engine(dict(prefix_cache=False, swa_bounded_replay=True, trim_decoder=trim))
+        served.add_request(prompt, 1)
+        total, steps = 0.0, 0
+        while served.waiting or served.running:
+            _, seconds = stopwatch(served.step)
+            total += seconds - (served.step_runner.setup_s if served.step_runner else 0.0)
+            steps += 1
+        out[f"{name}_ttft_s"], out["steps"] = total, steps
+    out["trim_speedup"] = out["no_trim_ttft_s"] / out["trim_ttft_s"]
+    return out
 
 
 def _summary(records: dict, stats, makespan: float) -> dict:
@@ -196,7 +218,10 @@ def main(args: argparse.Namespace) -> int:
     cap = args.output_cap
     longest = max(len(system) + sum(len(t.new_tokens) + (min(t.max_new_tokens, cap) if cap else t.max_new_tokens)
                                     for t in s.turns) for s in sessions)
-    layout = CacheLayout.private(args.slots, longest, args.page_size)
+    probe = args.prefill_probe
+    if probe is not None and probe < 2:
+        raise ToolError(f"--prefill-probe must be >= 2 tokens, got {probe}")
+    layout = CacheLayout.private(args.slots, max(longest, (probe or 0) + 1), args.page_size)
     buckets = args.buckets or default_buckets(args.token_budget)
     options = common.engine_step_options(args)
     steps: dict[str, CompiledStep] = {}  # shared by the configurations with the same passes
@@ -225,6 +250,9 @@ def main(args: argparse.Namespace) -> int:
                 raise ToolError(str(e)) from None
             records, stats, makespan = _serve(served, system, sessions, args.think_time, cap, args.device)
         result["configurations"][name] = {"engine": CONFIGURATIONS[name]} | _summary(records, stats, makespan)
+    if probe:
+        with common.step(f"prefill probe: one {probe}-token prompt, trimmed and not"):
+            result["prefill_probe"] = _prefill_probe(engine, cfg, probe, args.device)
     for kind, step in steps.items():
         result["steps"][kind] = {"passes": step.passes, "counts": step.report().counts(),
                                  "graphs": dataclasses.asdict(step.stats)}
@@ -246,6 +274,10 @@ def main(args: argparse.Namespace) -> int:
                       f"region graphs compiled, {g['buckets']} buckets first run in {g['first_run_s']:.1f} s, "
                       f"{g['captures']} captured in {g['capture_s']:.1f} s "
                       f"({g['graph_bytes'] / 2**30:.2f} GiB of graph memory); matches {step['counts']}")
+    if probe:
+        p = result["prefill_probe"]
+        console.print(f"prefill probe: {probe} tokens in {p['steps']} steps: TTFT {p['trim_ttft_s']:.3f} s trimmed, "
+                      f"{p['no_trim_ttft_s']:.3f} s untrimmed ({p['trim_speedup']:.2f}x)")
     if args.json:
         write_json(result, args.json)
     if args.png:

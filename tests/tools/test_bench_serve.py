@@ -10,11 +10,14 @@ def test_bench_serve_runs_each_configuration_over_the_whole_workload(tmp_path, c
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     argv = ["bench-serve", "--config", "tiny", "--sessions", "2", "--turns", "2", "--system-prompt", "24",
             "--context-cap", "20", "--tool-result", "4", "8", "--output-cap", "2", "--slots", "2", "--page-size", "8",
-            "--configs", "no-prefix-cache,bounded-replay", "--eager", "--json", str(out), "--png", str(png)]
+            "--configs", "no-prefix-cache,bounded-replay", "--eager", "--prefill-probe", "40", "--json", str(out), "--png", str(png)]
     assert main(argv) == 0
     r = json.loads(out.read_text())
     assert r["schema"] == "megafuse.bench_serve/2" and list(r["configurations"]) == ["no-prefix-cache", "bounded-replay"]
     assert r["step"] == {"mode": "eager", "buckets": None} and r["steps"] == {}
+    probe = r["prefill_probe"]  # 40 tokens under a 4096-row budget: one step each way
+    assert probe["tokens"] == 40 and probe["steps"] == 1 and probe["trim_ttft_s"] > 0 and probe["no_trim_ttft_s"] > 0
+    assert probe["trim_speedup"] == probe["no_trim_ttft_s"] / probe["trim_ttft_s"]
     for key in ("workload", "cache", "ttft_s", "tpot_s", "tokens_per_s_per_gpu", "prefix_hit_rate", "makespan_s"):
         assert key in bench_serve.__doc__, key
     for name, c in r["configurations"].items():
