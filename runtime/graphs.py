@@ -171,6 +171,7 @@ class CompiledStep:
 
     def _capture(self, key: tuple[int, int]) -> _Pieces:
         cache, static = self.cache, self._padding(key)
+        _mark_rows_dynamic(static)  # the same guards as the compiled graph's calls: no recompile in a capture
         self._sync()
         # torch.cuda.graph empties the allocator's cache as it starts: empty it first, so the
         # growth of reserved memory is what the graphs' pool took
