@@ -2,6 +2,7 @@
 
     engine = Engine(model, layout=CacheLayout(...))
     outputs = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)    # greedy by default
+    for token in engine.stream([1, 2, 3], max_new_tokens=16): ...         # one request's tokens as they come
 
 Each `step()`:
 
@@ -27,6 +28,7 @@ pool) is rejected at `add_request` with the reason; bad input raises `RequestErr
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -160,6 +162,22 @@ class Engine:
         while self.waiting or self.running:
             self.step()
         return [self.requests[i].output for i in ids]
+
+    def stream(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams | None = None) -> Iterator[int]:
+        """Add a request (errors at once, as add_request) and yield its tokens as they come: each
+        next() runs engine steps, serving every other request too, until this one has a new token."""
+        request = self.requests[self.add_request(prompt, max_new_tokens, sampling)]
+        return self._stream(request)
+
+    def _stream(self, request: Request) -> Iterator[int]:
+        sent = 0
+        while sent < request.max_new_tokens:
+            while len(request.output) == sent:
+                if not (self.waiting or self.running):
+                    raise RuntimeError(f"request {request.id} stopped at {sent} tokens with nothing left to run")
+                self.step()
+            yield from request.output[sent:]
+            sent = len(request.output)
 
     # ---- one step ---------------------------------------------------------------------------------
 

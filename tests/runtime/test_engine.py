@@ -128,3 +128,22 @@ def test_cached_pages_are_read_only_across_replays(tiny_fp32, tiny_model):
     engine.generate(first_turns[1:], 3)  # each replays over the shared system-prompt pages
     assert engine.stats.prefix_hits == 5 and engine.stats.replayed_tokens == 5 * tiny_fp32.window
     assert digest() == before
+
+
+def test_streams_yield_each_requests_tokens_as_they_come_while_serving_the_others(tiny_fp32, tiny_model):
+    prompts = [random_tokens(tiny_fp32, 20 + 7 * i, seed=80 + i) for i in range(3)]
+    layout = CacheLayout(slots=3, pages=24, page_size=8, max_pages=8)
+    want = Engine(tiny_model, layout=layout, passes=None, token_budget=32).generate(prompts, 5)
+    engine = Engine(tiny_model, layout=layout, passes=None, token_budget=32)
+    first = engine.stream(prompts[0], 5)
+    others = [engine.add_request(p, 5) for p in prompts[1:]]
+    got, steps_per_token = [], []
+    for token in first:  # each token arrives after the steps that made it, not at the end
+        got.append(token)
+        steps_per_token.append(engine.stats.steps)
+    assert got == want[0] and steps_per_token == sorted(set(steps_per_token))
+    while engine.waiting or engine.running:
+        engine.step()
+    assert [engine.requests[i].output for i in others] == want[1:]
+    with pytest.raises(RequestError, match="empty"):
+        engine.stream([], 3)  # a bad request fails when it is made, not at the first next()
