@@ -19,7 +19,8 @@ JSON (`--json PATH`, '-' for stdout), schema "megafuse.generate/2":
     sampling        {temperature, top_p, seed}
     requests        [{prompt_len: int, output: [int]}]
     stats           {steps, prefix_hits, hit_tokens, replayed_tokens, trimmed_tokens, preemptions,
-                     evictions: int, seconds: float, output_tokens_per_s: float}
+                     evictions: int, setup_s: float (compile and capture), seconds: float (the rest),
+                     output_tokens_per_s: float}
     environment     {date, python, torch, triton, device}
 """
 
@@ -104,13 +105,14 @@ def _main(args: argparse.Namespace) -> int:
     except (RequestError, ValueError) as e:
         raise ToolError(str(e)) from None
     with common.step(f"generating {args.max_new_tokens} tokens for {len(prompts)} requests"):
-        start = time.perf_counter()
+        start, setup = time.perf_counter(), 0.0
         while engine.waiting or engine.running:
             engine.step()
-        seconds = time.perf_counter() - start
+            setup += engine.step_runner.setup_s if engine.step_runner else 0.0
+        seconds = time.perf_counter() - start - setup  # serving time: compile and capture are setup_s
     outputs = [engine.requests[i].output for i in ids]
     stats = dataclasses.asdict(engine.stats) | {
-        "seconds": seconds, "output_tokens_per_s": sum(map(len, outputs)) / seconds}
+        "setup_s": setup, "seconds": seconds, "output_tokens_per_s": sum(map(len, outputs)) / seconds}
     runner = engine.step_runner
     result = {
         "schema": "megafuse.generate/2", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
