@@ -53,25 +53,20 @@ def val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
 
-_shape_env = None  # the ShapeEnv of the last symbolic size seen (the graph being matched)
-
-
 def size_of(size):
     """A size as the matchers compare and hash it: an int, or a symbolic size's sympy expression
     (a dynamic row count: SymInts do not hash, their expressions compare structurally)."""
-    global _shape_env
-    if isinstance(size, torch.SymInt):
-        _shape_env = size.node.shape_env
-        return size.node.expr
-    return int(size)
+    return size.node.expr if isinstance(size, torch.SymInt) else int(size)
 
 
 def known_less(a, b) -> bool:
     """a < b for sizes from size_of: exact for ints; for symbolic sizes, true only where the
-    compile's value ranges prove it (Inductor's size variables), so a match never adds a guard."""
+    compile's value ranges prove it, so a match never adds a guard."""
     if isinstance(a, int) and isinstance(b, int):
         return a < b
-    return _shape_env is not None and _shape_env.bound_sympy(sympy.sympify(b) - a).lower > 0
+    fake_mode = torch._guards.detect_fake_mode()  # the compile's, whose ShapeEnv holds the ranges
+    shape_env = fake_mode.shape_env if fake_mode is not None else None
+    return shape_env is not None and shape_env.bound_sympy(sympy.sympify(b) - a).lower > 0
 
 
 def shape(node) -> tuple:

@@ -130,6 +130,12 @@ class Engine:
         buckets = default_buckets(self.token_budget) if buckets is None else tuple(buckets)
         return CompiledStep(self.model, layout=self.layout, buckets=buckets, passes=passes, cuda_graphs=graphs)
 
+    @property
+    def setup_s(self) -> float:
+        """Compile and capture time inside the last step() (0 on the eager step): serving clocks
+        take it off."""
+        return self.step_runner.setup_s if self.step_runner is not None else 0.0
+
     # ---- requests ---------------------------------------------------------------------------------
 
     def add_request(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams | None = None) -> int:

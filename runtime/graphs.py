@@ -1,7 +1,7 @@
 """The step the engine runs: the model's two regions compiled with the passes, and on a GPU each
 region captured as a CUDA graph per padded bucket (piecewise CUDA graphs).
 
-    step = CompiledStep(model, layout=layout, passes="all", cuda_graphs=True, buckets=(1, 8, 32, 256))
+    step = CompiledStep(model, layout=layout, passes="all", cuda_graphs=True, buckets=(2, 8, 32, 256))
     rows, decoder_rows = step.bucket(n_rows, n_decoder_rows)      # pad build_step to these
     logits = step(batch, step.cache)
 

@@ -33,27 +33,17 @@ import torch
 from megafuse.model import CacheLayout, Sequence, build_model, build_step, page_table, resolve_config
 from megafuse.runtime.graphs import CompiledStep
 from megafuse.tools.bench_common import Stages, default_out, require_cuda
-from megafuse.tools.common import median
+from megafuse.tools.common import median, positive_ints
 from megafuse.tools.output import environment
 
 PAGE_SIZE = 64
-
-
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
-    return sizes
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m megafuse.tools.bench_decode", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="flash-lite", help="preset, config JSON or checkpoint dir (default flash-lite)")
-    parser.add_argument("--batches", type=_sizes, default=[1, 32], help="decode batch sizes (default 1,32)")
+    parser.add_argument("--batches", type=positive_ints, default=(1, 32), help="decode batch sizes (default 1,32)")
     parser.add_argument("--context", type=int, default=27648, help="tokens each request holds (default 27648)")
     parser.add_argument("--repeat", type=int, default=20, help="timed steps per measurement (default 20)")
     parser.add_argument("--out", help="results JSON (default results/decode/bench.json)")

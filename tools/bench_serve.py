@@ -92,18 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-budget", type=int, default=4096, help="rows per step (default 4096)")
     parser.add_argument("--prefill-probe", type=int, metavar="TOKENS",
                         help="also time one TOKENS-token prompt's prefill on an idle engine, trimmed and not")
-    parser.add_argument("--buckets", type=_sizes, metavar="N,N,..",
+    parser.add_argument("--buckets", type=common.positive_ints, metavar="N,N,..",
                         help="padded row counts of the compiled step (default: powers of two from 2, then the budget; each >= 2)")
     common.add_engine_step_arguments(parser)
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--png", metavar="PATH")
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated row counts, got {text!r}") from None
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -131,7 +124,7 @@ def _serve(engine: Engine, system, sessions, think_s, output_cap, device):
             rid = engine.add_request(prompt, n_out)
             records[rid] = {"session": i, "turn": k, "arrival": arrival, "prompt": prompt, "times": []}
         produced, seconds = stopwatch(engine.step)
-        clock += seconds - (engine.step_runner.setup_s if engine.step_runner else 0.0)  # not compile/capture
+        clock += seconds - engine.setup_s  # not compile/capture
         for rid, _ in produced:
             record = records[rid]
             record["times"].append(clock)
@@ -153,7 +146,7 @@ def _prefill_probe(engine, cfg, tokens: int, device) -> dict:
         total, steps = 0.0, 0
         while served.waiting or served.running:
             _, seconds = stopwatch(served.step)
-            total += seconds - (served.step_runner.setup_s if served.step_runner else 0.0)
+            total += seconds - served.setup_s
             steps += 1
         out[f"{name}_ttft_s"], out["steps"] = total, steps
     out["trim_speedup"] = out["no_trim_ttft_s"] / out["trim_ttft_s"]

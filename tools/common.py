@@ -97,6 +97,17 @@ def engine_step_options(args: argparse.Namespace) -> dict:
     return {"passes": selected_passes(args), "cuda_graphs": args.device == "cuda" and not args.no_cuda_graphs}
 
 
+def positive_ints(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated positive integers ("1,32")."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
 def selected_passes(args: argparse.Namespace) -> list[str]:
     """`--passes` minus every `--no-<pass>`, in registry order."""
     chosen = args.passes if isinstance(args.passes, list) else passes.registry.resolve(args.passes)
