@@ -8,10 +8,12 @@ engine's step (runtime.graphs.CompiledStep, a bucket of max(B, 2) rows: buckets 
 Stages, each saved as it finishes:
 
 1. build: the preset on the device, seeded weights;
-2. passes-<B>: the step compiled with every pass; compile time, then the wall time of one step
+2. passes-<B>: the step compiled with every pass (one compiled step for every B: the first B's
+   first run compiles both regions, `graphs_compiled` stays 2), then the wall time of one step
    (call to synchronised result, so the host's launch cost counts: that is what graphs remove)
-   without CUDA graphs and with them (capture time, graph memory), median of `--repeat`; the
-   logits of the two compared (max |difference|);
+   without CUDA graphs and with them (capture time, graph memory), median of `--repeat` after
+   3 untimed calls; the logits of the two compared (max |difference|), beside the difference
+   between two calls without graphs (the step's own run-to-run noise);
 3. no-passes-<B>: the same compiled by plain torch.compile (passes "none"), graphs on;
 4. summary: graphs' speed-up at each B (passes), the passes' speed-up at each B (graphs on).
 
@@ -37,6 +39,7 @@ from megafuse.tools.common import median, positive_ints
 from megafuse.tools.output import environment
 
 PAGE_SIZE = 64
+WARMUP = 3  # untimed calls before each timing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve_config(args.config)
     B_max, C = max(args.batches), args.context
     layout = CacheLayout.private(B_max, C + 1, PAGE_SIZE)
-    results = {"schema": "megafuse.bench_decode/1", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
+    results = {"schema": "megafuse.bench_decode/2", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
                "context": C, "batches": args.batches, "cache_layout": vars(layout),
                "method": "wall time of step() to a synchronised result, median of --repeat",
                "date": datetime.date.today().isoformat(), "environment": environment()}
@@ -84,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     def timed(step: CompiledStep, batch) -> float:
         times = []
         with torch.no_grad():
+            for _ in range(WARMUP):  # untimed: the first calls after a compile or capture run slower
+                step(batch, step.cache)
             for _ in range(args.repeat):
                 sync()
                 start = time.perf_counter()
@@ -92,23 +97,36 @@ def main(argv: list[str] | None = None) -> int:
                 times.append(time.perf_counter() - start)
         return median(times)
 
+    def step_for(passes: str) -> CompiledStep:
+        """One compiled step per pass set, shared by the batch sizes: its regions take the row count as a
+        symbolic size, so the first batch compiles them and the others only capture their buckets."""
+        if passes not in state:
+            buckets = tuple(sorted({max(B, 2) for B in args.batches}))
+            state[passes] = CompiledStep(state["model"], layout=layout, buckets=buckets, passes=passes)
+        return state[passes]
+
     def measure(B: int, passes: str, both_graph_modes: bool) -> dict:
-        step = CompiledStep(state["model"], layout=layout, buckets=(max(B, 2),), passes=passes, cuda_graphs=False)
-        batch = batch_of(B)
+        step, batch = step_for(passes), batch_of(B)
+        step.cuda_graphs = False
         with torch.no_grad():
             start = time.perf_counter()
-            eager_graph_logits = step(batch, step.cache).clone()
+            no_graph_logits = step(batch, step.cache).clone()
             sync()
-            out = {"compile_s": round(time.perf_counter() - start, 1), "counts": step.report().counts()}
+            out = {"first_run_s": round(time.perf_counter() - start, 1), "graphs_compiled": step.stats.graphs,
+                   "counts": step.report().counts()}
             if both_graph_modes:
                 out["no_graphs_step_s"] = timed(step, batch)
+            # the compiled step's own call-to-call difference: a graph difference no larger than this
+            # is the step's run-to-run noise, not the graphs'
+            out["no_graphs_repeat_max_abs"] = (step(batch, step.cache) - no_graph_logits).abs().max().item()
             if device.type == "cuda":
                 step.cuda_graphs = True
+                captured, graph_bytes = step.stats.capture_s, step.stats.graph_bytes
                 graph_logits = step(batch, step.cache).clone()
                 out["graphs_step_s"] = timed(step, batch)
-                out["capture_s"] = step.stats.capture_s
-                out["graph_bytes"] = step.stats.graph_bytes
-                out["graphs_vs_no_graphs_max_abs"] = (graph_logits - eager_graph_logits).abs().max().item()
+                out["capture_s"] = step.stats.capture_s - captured
+                out["graph_bytes"] = step.stats.graph_bytes - graph_bytes
+                out["graphs_vs_no_graphs_max_abs"] = (graph_logits - no_graph_logits).abs().max().item()
         return out
 
     def build():
@@ -127,9 +145,12 @@ def main(argv: list[str] | None = None) -> int:
 
     stages.run("build", build)
     if results["stages"]["build"]["ok"]:
-        for B in args.batches:
-            stages.run(f"passes-{B}", lambda B=B: measure(B, "all", True))
-            stages.run(f"no-passes-{B}", lambda B=B: measure(B, "none", False))
+        for passes, label in (("all", "passes"), ("none", "no-passes")):
+            for B in args.batches:
+                stages.run(f"{label}-{B}", lambda B=B: measure(B, passes, passes == "all"))
+            state.pop(passes, None)  # its cache and graphs' memory go before the next pass set's
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         stages.run("summary", summary)
     log(f"wrote {out}")
     return 0 if all(s["ok"] for s in results["stages"].values()) else 1
