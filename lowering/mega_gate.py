@@ -87,7 +87,7 @@ import triton.language  # noqa: F401  (import Triton before any kernel module: s
 
 from megafuse.model.moe import route
 
-from . import kernel_cache
+from . import kernel_cache, snippets
 from .launch import COMPILE_OPTIONS, PreparedLaunches, device_key, empty, layout_key
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
@@ -218,42 +218,9 @@ JOB_COUNTER = tl.constexpr(0)    # next job number
 EPI_COUNTER = tl.constexpr(1)    # finished epilogue jobs
 TILE_ARRIVALS = tl.constexpr(2)  # [n_t_tiles] GEMM jobs arrived per token tile
 
-# Reductions go through tl.reduce with these combiners, and tl.full stands in for tl.zeros:
-# tl.max / tl.sum / tl.zeros are @triton.jit library functions whose mode (interpreter or
-# compiler) was fixed when Triton was first imported, while this module is loaded once per mode
-# (see megafuse.lowering.kernel_cache). Builtins like tl.reduce work in both.
+$COMBINERS
 
-
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-# Rounding an fp32 value to a 16-bit dtype and back, as torch's casts do (to nearest, ties to even),
-# in integer arithmetic: `.to(tl.bfloat16)` rounds so on the GPU, but the interpreter's cast
-# truncates, and the CPU tests must select exactly what the chain selects.
-@triton.jit
-def _round_bfloat16(x):
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return tl.where(x == x, rounded, x)  # NaN stays NaN
-
-
-@triton.jit
-def _round_float16(x):
-    bits = x.to(tl.int32, bitcast=True)
-    normal = ((bits + 0xFFF + ((bits >> 13) & 1)) & -8192).to(tl.float32, bitcast=True)  # 10 mantissa bits
-    magnitude = tl.where(x < 0, -x, x)
-    subnormal = (magnitude + 0.5) - 0.5  # below 2^-14 fp16 steps by 2^-24: fp32's step in [0.5, 1)
-    rounded = tl.where(magnitude < 6.103515625e-05, tl.where(x < 0, -subnormal, subnormal), normal)
-    rounded = tl.where(rounded > 65504.0, float("inf"), tl.where(rounded < -65504.0, float("-inf"), rounded))
-    return tl.where(x == x, rounded, x)
-
+$ROUND_16BIT
 
 @triton.jit
 def _round_score(x):
@@ -438,8 +405,8 @@ _SCORES = {
         ", row_max, row_sum", "softmax(logits) over the real experts"),
 }
 
-# Any edit of this module (template, snippets, generator code) changes every spec's key.
-_GENERATOR_FINGERPRINT = hashlib.sha1(Path(__file__).read_bytes()).hexdigest()
+# Any edit of this module (template, snippets, generator code) or of the shared snippets changes every spec's key.
+_GENERATOR_FINGERPRINT = hashlib.sha1(Path(__file__).read_bytes() + snippets.SOURCE).hexdigest()
 
 
 def _fmt_float(x: float) -> str:
@@ -525,6 +492,7 @@ def generate_source(spec: GateSpec) -> str:
 
     spec_line = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(spec).items())
     return _TEMPLATE.substitute(
+        COMBINERS=snippets.COMBINERS, ROUND_16BIT=snippets.ROUND_16BIT,
         KEY=spec.key(), SPEC_LINE=spec_line, E=spec.n_experts, E_PAD=_next_pow2(spec.n_experts),
         D=spec.hidden, K=spec.k, K_PAD=_next_pow2(spec.k),
         SCORE_ARGS=score_args, SCORE_BODY=body, SCORE_DOC=score_doc, DOT_DOC=dot_doc,

@@ -1,0 +1,288 @@
+"""MegaAttention's core: sparse attention with a sink, inverse RoPE and MXFP8 in one generated Triton launch.
+
+For each query row r (a token of a batched step) and head h, over the row's own J key rows
+(K = V, MQA: every head of a row reads the same rows):
+
+    s_j  = (q[r, h] . k[r, j]) * scale                  fp32, j valid
+    o    = sum_j e^(s_j - m) k[r, j] / (sum_j e^(s_j - m) + e^(sink_h - m)),   m = max(sink_h, max_j s_j)
+    o    = RoPE^-1(o) on the last rope_dim dims          (pairs (2i, 2i+1) rotated by -angle_i)
+    out  = o rounded to out_dtype, then (mxfp8) through MXFP8: e4m3 values with a ue8m0 scale per 32
+
+This is the chain `model.attention.Attention._output` runs before its WO-A GEMM, on keys already
+decoded and gathered (`reference` is that chain, calling the model's functions, so the formula
+exists once). A query whose keys are all invalid gets exactly 0, as in the chain: the sink joins
+the max, so the denominator never vanishes.
+
+Kernel design
+-------------
+One program per (row, block of BLOCK_H heads): the row's key tile [BLOCK_J, head_dim] is loaded
+once and used by every head of the block (heads sit in the MMA's M dimension, the MQA saving).
+An online softmax runs over the row's J keys with its running max started at the sink (so the
+sink's e^(sink - m) is the running sum's initial 1), the [BLOCK_H, head_dim] accumulator in fp32.
+The epilogue divides, rotates the tail back (cos and sin of the angles are taken with torch
+before the launch, as `apply_rope` takes them, so the rotation uses the chain's very values), rounds to out_dtype and, with mxfp8, rounds each
+block of 32 through e4m3 under its power-of-two scale, all in registers.
+
+Numerics: both dots run in fp32 at fp32-level accuracy ("tf32x3" on tensor cores; the interpreter
+computes them in fp32), as the chain computes in fp32 from upcast operands. The e4m3 rounding is
+done with integer and fp32 arithmetic (ties to even, subnormals, saturation at 448), so CPU and GPU
+round identically. The kernel may differ from the chain in the last fp32 bits (summation order,
+fused multiply-adds); an MXFP8 value can then differ by one e4m3 step where the fp32 value sits on
+a rounding tie of the chain's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton.language  # noqa: F401  (import Triton before any kernel module: see kernel_cache)
+
+from megafuse.model import quant
+from megafuse.model.attention import sparse_attention_with_sink
+from megafuse.model.rope import apply_rope
+
+from . import kernel_cache, snippets
+from .launch import COMPILE_OPTIONS, empty
+
+KERNEL_NAME = "mega_attention_kernel"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MXFP8_BLOCK = 32
+MAX_HEAD_DIM = 1024  # the fp32 accumulator of BLOCK_H heads x head_dim lives in registers
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Everything the generator specialises on. `rope_dim=0`: no inverse RoPE."""
+    heads: int
+    head_dim: int
+    rope_dim: int
+    scale: float
+    key_dtype: str  # q's and the keys' dtype (the chain upcasts both to fp32)
+    out_dtype: str  # the dtype the chain rounds o to before its quantisation
+    mxfp8: bool  # round the output through MXFP8 (quant="ref")
+
+    def key(self) -> str:
+        """Short stable hash of the spec and of the generator's template (file names, memo keys)."""
+        fields = dataclasses.asdict(self) | {"scale": float(self.scale).hex()}
+        text = json.dumps(fields, sort_keys=True) + _GENERATOR_FINGERPRINT
+        return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+    def describe(self) -> dict:
+        return dataclasses.asdict(self) | {"key": self.key(), "unsupported": unsupported_reason(self)}
+
+
+def unsupported_reason(spec: AttentionSpec) -> str | None:
+    """None if the generator handles `spec`, else a sentence saying why not (for the pass report)."""
+    for what, dtype in (("key", spec.key_dtype), ("output", spec.out_dtype)):
+        if dtype not in DTYPES:
+            return f"{what} dtype {dtype!r} is not supported (float32, bfloat16 or float16 only)"
+    if spec.heads < 1:
+        return f"{spec.heads} heads: at least one is needed"
+    if not 16 <= spec.head_dim <= MAX_HEAD_DIM or spec.head_dim & (spec.head_dim - 1):
+        return f"head_dim {spec.head_dim} must be a power of two in 16..{MAX_HEAD_DIM} (one register tile per head)"
+    if spec.rope_dim < 0 or spec.rope_dim % 2 or spec.rope_dim > spec.head_dim:
+        return f"rope_dim {spec.rope_dim} must be even and within head_dim {spec.head_dim}"
+    if spec.mxfp8 and spec.head_dim % MXFP8_BLOCK:
+        return f"MXFP8 blocks of {MXFP8_BLOCK} must tile head_dim {spec.head_dim}"
+    if not abs(spec.scale) < float("inf"):
+        return f"score scale {spec.scale!r} must be finite"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The generated kernel
+# ----------------------------------------------------------------------------------------------
+
+_TEMPLATE = string.Template('''"""Generated by megafuse.lowering.mega_attention: do not edit. Spec $KEY:
+$SPEC_LINE
+"""
+import triton
+import triton.language as tl
+
+H = tl.constexpr($H)
+DH = tl.constexpr($DH)
+HALF = tl.constexpr($HALF)
+ROPE_PAIRS = tl.constexpr($ROPE_PAIRS)  # rotated pairs: the last ROPE_PAIRS of the HALF pairs
+SCALE = tl.constexpr($SCALE)
+
+$COMBINERS
+
+$ROUND_16BIT
+
+
+@triton.jit
+def _round_e4m3(y):
+    """fp32 -> the nearest e4m3 value (ties to even; subnormals; |y| <= 448 given), as fp32."""
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3's smallest normal exponent is -6
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    # x + 1.5 * 2^23 - 1.5 * 2^23 rounds x (|x| < 2^22) to an integer, ties to even, in fp32
+    return ((y / step + 12582912.0) - 12582912.0) * step
+
+
+@triton.jit
+def _mxfp8(x, BLOCK_H: tl.constexpr):
+    """Each block of 32 along the last dim through e4m3 under its ue8m0 scale (model.quant)."""
+    blocks = tl.reshape(x, (BLOCK_H, DH // 32, 32))
+    amax = tl.maximum(tl.reduce(tl.abs(blocks), 2, _maximum), $AMAX_FLOOR) / 448.0
+    bits = amax.to(tl.int32, bitcast=True)
+    biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # 2^ceil(log2(amax / 448))
+    scale = (tl.minimum(biased, 254) << 23).to(tl.float32, bitcast=True)
+    y = tl.minimum(tl.maximum(blocks / scale[:, :, None], -448.0), 448.0)
+    return tl.reshape(_round_e4m3(y) * scale[:, :, None], (BLOCK_H, DH))
+
+
+@triton.jit
+def $KERNEL(q_ptr, k_ptr, valid_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, J,
+            stride_q_row, stride_q_head, stride_k_row, stride_k_key, stride_valid_row, stride_angle_row,
+            stride_out_row, stride_out_head, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
+            PRECISION: tl.constexpr):
+    row = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    dims = tl.arange(0, DH)
+    q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + dims[None, :],
+                mask=head_ok[:, None], other=0.0).to(tl.float32)
+    # the running max starts at the sink, so e^(sink - m) starts the running sum at 1
+    m = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
+    total = tl.full((BLOCK_H,), 1.0, tl.float32)
+    acc = tl.full((BLOCK_H, DH), 0.0, tl.float32)
+    for start in range(0, J, BLOCK_J):
+        keys = start + tl.arange(0, BLOCK_J)
+        ok = (keys < J) & (tl.load(valid_ptr + row * stride_valid_row + keys, mask=keys < J, other=0) != 0)
+        k = tl.load(k_ptr + row * stride_k_row + keys[:, None] * stride_k_key + dims[None, :],
+                    mask=ok[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALE
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(s, 1, _maximum))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        total = total * alpha + tl.reduce(p, 1, _add)
+        acc = acc * alpha[:, None] + tl.dot(p, k, input_precision=PRECISION)
+        m = m_new
+    o = acc / total[:, None]
+$ROPE_LINES
+$ROUND_LINES
+$MXFP8_LINES
+    tl.store(out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + dims[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+''')
+
+_ROPE_LINES = '''    # inverse RoPE of the tail: pair i = (2i, 2i + 1), rotated by -angle
+    pairs = tl.reshape(o, (BLOCK_H, HALF, 2))
+    even, odd = tl.split(pairs)
+    angle = tl.arange(0, HALF) - (HALF - ROPE_PAIRS)
+    rotated = angle >= 0
+    cos = tl.load(cos_ptr + row * stride_angle_row + angle, mask=rotated, other=1.0)[None, :]
+    sin = tl.load(sin_ptr + row * stride_angle_row + angle, mask=rotated, other=0.0)[None, :]
+    o = tl.reshape(tl.join(even * cos + odd * sin, odd * cos - even * sin), (BLOCK_H, DH))'''
+
+_ROUNDING = ("bfloat16", "float16")  # out dtypes the epilogue rounds to (snippets.ROUND_16BIT)
+
+# Any edit of this module (template, generator code) or of the shared snippets changes every spec's key.
+_GENERATOR_FINGERPRINT = hashlib.sha1(Path(__file__).read_bytes() + snippets.SOURCE).hexdigest()
+
+
+def generate_source(spec: AttentionSpec) -> str:
+    """The Triton module for `spec` (raises ValueError for an unsupported spec)."""
+    reason = unsupported_reason(spec)
+    if reason:
+        raise ValueError(f"mega_attention cannot generate this spec: {reason}")
+    round_lines = ""
+    if spec.out_dtype in _ROUNDING:
+        round_lines = f"    o = _round_{spec.out_dtype}(o)  # the chain's o.to({spec.out_dtype}), in fp32 registers"
+    mxfp8_lines = "    o = _mxfp8(o, BLOCK_H)  # quant=\"ref\": MXFP8 in WO-A's input layout" if spec.mxfp8 else ""
+    spec_line = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(spec).items())
+    return _TEMPLATE.substitute(
+        COMBINERS=snippets.COMBINERS, ROUND_16BIT=snippets.ROUND_16BIT,
+        KEY=spec.key(), SPEC_LINE=spec_line, KERNEL=KERNEL_NAME, H=spec.heads, DH=spec.head_dim,
+        HALF=spec.head_dim // 2, ROPE_PAIRS=spec.rope_dim // 2, SCALE=repr(float(spec.scale)),
+        AMAX_FLOOR=repr(quant._FP8_AMAX_FLOOR), ROPE_LINES=_ROPE_LINES if spec.rope_dim else "",
+        ROUND_LINES=round_lines, MXFP8_LINES=mxfp8_lines)
+
+
+def kernel_name(spec: AttentionSpec) -> str:
+    """The cache file stem: content-addressed by the spec and the generator's template."""
+    return f"mega_attention_{spec.key()}"
+
+
+def load(spec: AttentionSpec, interpret: bool):
+    """The jitted kernel of `spec` for one mode (writes the source to the cache on first use)."""
+    return kernel_cache.load_generated(kernel_name(spec), lambda: generate_source(spec), KERNEL_NAME, interpret)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch and reference
+# ----------------------------------------------------------------------------------------------
+
+def validate(q, keys, valid, sink, angles, spec: AttentionSpec) -> None:
+    """Raise ValueError if the launcher must refuse these inputs; shapes, dtypes and devices only
+    (a pass runs it on a match's fake tensors: an unfused chain, never a run-time error)."""
+    reason = unsupported_reason(spec)
+    if reason:
+        raise ValueError(f"mega_attention: unsupported spec: {reason}")
+    H, Dh = spec.heads, spec.head_dim
+    if q.dim() != 3 or tuple(q.shape[1:]) != (H, Dh):
+        raise ValueError(f"mega_attention: q must be [R, {H}, {Dh}], got {list(q.shape)}")
+    R = q.shape[0]
+    if keys.dim() != 3 or keys.shape[0] != R or keys.shape[2] != Dh:
+        raise ValueError(f"mega_attention: keys must be [{R}, J, {Dh}], got {list(keys.shape)}")
+    if tuple(valid.shape) != tuple(keys.shape[:2]) or valid.dtype != torch.bool:
+        raise ValueError(f"mega_attention: valid must be bool {list(keys.shape[:2])}, got {valid.dtype} {list(valid.shape)}")
+    if tuple(sink.shape) != (H,):
+        raise ValueError(f"mega_attention: sink must be [{H}], got {list(sink.shape)}")
+    if tuple(angles.shape) != (R, spec.rope_dim // 2) or angles.dtype != torch.float32:
+        raise ValueError(f"mega_attention: angles must be float32 [{R}, {spec.rope_dim // 2}], "
+                         f"got {angles.dtype} {list(angles.shape)}")
+    for name, t in (("q", q), ("keys", keys)):
+        if t.dtype != DTYPES[spec.key_dtype]:
+            raise ValueError(f"mega_attention: {name} dtype {t.dtype} does not match spec key_dtype {spec.key_dtype}")
+    devices = {t.device for t in (q, keys, valid, sink, angles)}
+    if len(devices) > 1:
+        raise ValueError(f"mega_attention: inputs on several devices: {sorted(map(str, devices))}")
+
+
+def mega_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                   angles: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """out [R, H, head_dim] in out_dtype (module doc) from q [R, H, head_dim], keys [R, J, head_dim],
+    valid [R, J] bool, sink [H] and the rows' RoPE angles [R, rope_dim / 2] fp32; one launch (after
+    the angles' cos and sin, taken with torch as `apply_rope` takes them)."""
+    validate(q, keys, valid, sink, angles, spec)
+    R, J = keys.shape[:2]
+    out = empty((R, spec.heads, spec.head_dim), DTYPES[spec.out_dtype], q.device)
+    if R == 0:
+        return out
+    cos, sin = angles.cos(), angles.sin()
+    q, keys, valid = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, valid))
+    sink = sink.contiguous()
+    block_h = min(_next_pow2(spec.heads), 64)
+    interpret = q.device.type != "cuda"
+    kernel = load(spec, interpret=interpret)
+    grid = (R, -(-spec.heads // block_h))
+    on_device = contextlib.nullcontext() if interpret else torch.cuda.device(q.device)
+    with on_device:
+        kernel[grid](q, keys, valid, sink, cos, sin, out, J, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
+                     valid.stride(0), cos.stride(0), out.stride(0), out.stride(1), BLOCK_H=block_h, BLOCK_J=16,
+                     PRECISION="tf32x3", **COMPILE_OPTIONS)
+    return out
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+              angles: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """The chain in plain torch, from the model's own functions (`Attention._output` before WO-A)."""
+    o = sparse_attention_with_sink(q[None], keys[None], valid[None], sink, spec.scale)[0]
+    if spec.rope_dim:
+        o = apply_rope(o, angles[:, None, :], inverse=True)
+    o = o.to(DTYPES[spec.out_dtype])
+    return quant.fake_quant_mxfp8(o) if spec.mxfp8 else o
