@@ -229,3 +229,140 @@ def under_slices(node):
         slices.append(node)
         node = node.args[0]
     return node, slices
+
+
+# ---- views, reductions and new nodes (shared by the passes) ----------------------------------------
+
+# Ops that move values without changing them (an expand only when it keeps the shape).
+RESHAPES = (aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze, aten.clone, aten.alias,
+            aten.expand)
+TRANSPOSES = (aten.permute, aten.t, aten.transpose)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ---- views and converts --------------------------------------------------------------------------
+
+def dims(node) -> list:
+    """The shape, symbolic sizes as text (comparing them must not add guards to the graph)."""
+    v = val(node)
+    return [s if isinstance(s, int) else str(s) for s in v.shape] if isinstance(v, torch.Tensor) else []
+
+
+def moves(node) -> bool:
+    if is_op(node, aten.expand):
+        return dims(node) == dims(node.args[0])
+    return is_op(node, *RESHAPES, *TRANSPOSES)
+
+
+def walk(node: fx.Node) -> list[fx.Node]:
+    """[node, ..., source]: down through ops that move values and dtype converts, to the first node
+    that is neither."""
+    path = [node]
+    while moves(path[-1]) or is_convert(path[-1]):
+        path.append(path[-1].args[0])
+    return path
+
+
+def perm(node: fx.Node) -> list[int]:
+    n = rank(node.args[0])
+    if is_op(node, aten.permute):
+        return [d % n for d in node.args[1]]
+    if is_op(node, aten.t):
+        return list(range(n))[::-1]
+    order = list(range(n))
+    a, b = node.args[1] % n, node.args[2] % n
+    order[a], order[b] = order[b], order[a]
+    return order
+
+
+def in_order(path: list[fx.Node]) -> bool:
+    """The top of `path` holds its source's values in the same row-major order: reshapes never
+    reorder, and every transpose moves only size-1 dims."""
+    for node in path[:-1]:
+        if is_op(node, *TRANSPOSES):
+            sizes = dims(node.args[0])
+            kept = [d for d in perm(node) if sizes[d] != 1]
+            if kept != sorted(kept):
+                return False
+    return True
+
+
+def _regroup(labels: list[tuple], atoms: dict, sizes: list) -> list[tuple] | None:
+    """The labels of a reshape to `sizes` of a tensor whose dims hold `labels` (row-major order)."""
+    pending = [d for label in labels for d in label]
+    regrouped = []
+    for size in sizes:
+        group, product = [], 1
+        while size != 1 and product != size and pending:
+            group.append(pending.pop(0))
+            product = product * atoms[group[-1]]
+        if product != size:
+            return None
+        regrouped.append(tuple(group))
+    return None if pending else regrouped
+
+
+def source_groups(path: list[fx.Node], *, inverse: bool = False) -> list[tuple[int, ...]] | None:
+    """For each dim of the top of `path` ([top, ..., source], as `walk` returns it) larger than 1,
+    in order, the source's dims (larger than 1) it holds in row-major order: (d,) for a dim that is
+    source dim d, (a, b) where a reshape merged a and b. None where a reshape splits a source dim.
+    `inverse`: the other way round, the source's dims in terms of the top's (the path undone)."""
+    start = path[0] if inverse else path[-1]
+    atoms = {d: size_of(s) for d, s in enumerate(val(start).shape) if size_of(s) != 1}
+    labels = [(d,) if d in atoms else () for d in range(rank(start))]
+    steps = [(node, path[i + 1]) for i, node in enumerate(path[:-1])]  # (node, its input)
+    for node, below in (steps if inverse else steps[::-1]):
+        if is_op(node, *TRANSPOSES):
+            order = perm(node)
+            if inverse:
+                undone = [()] * len(order)
+                for k, d in enumerate(order):
+                    undone[d] = labels[k]
+                labels = undone
+            else:
+                labels = [labels[d] for d in order]
+        elif not is_convert(node):
+            labels = _regroup(labels, atoms, [size_of(s) for s in val(below if inverse else node).shape])
+            if labels is None:
+                return None
+    return [label for label in labels if label]
+
+
+def source_dims(path: list[fx.Node]) -> list[int] | None:
+    """For each dim of the top of `path` larger than 1, in order, the dim of the source it is;
+    None where a reshape merges or splits dims (then the top is no transposition of the source)."""
+    groups = source_groups(path)
+    return None if groups is None or any(len(g) != 1 for g in groups) else [g[0] for g in groups]
+
+
+def call(graph: fx.Graph, target, args, fake) -> fx.Node:
+    node = graph.call_function(target, args)
+    node.meta["val"] = fake
+    return node
+
+
+def reduction(node: fx.Node):
+    """(kind, input, dims) of a reduction: sum, amax, max.dim's values, the online softmax's max or
+    sum (prims.prepare_softmax_online, Triton graphs); None for anything else."""
+    if is_op(node, aten.sum, aten.amax):
+        return node.target.overloadpacket.__name__, node.args[0], list(arg(node, 1, "dim", None) or [])
+    if node.target is operator.getitem:
+        source, item = node.args
+        if is_op(source, aten.max) and len(source.args) > 1 and item == 0:
+            return "max", source.args[0], [source.args[1]]
+        if is_op(source, prims.prepare_softmax_online):
+            return ("online max", "online sum")[item], source.args[0], [source.args[1]]
+    return None
+
+
+def per_row(node: fx.Node, x: fx.Node, kinds: tuple[str, ...]) -> list[fx.Node] | None:
+    """The nodes of `node` = a reduction (one of `kinds`) of x over its last dim, shaped [..., 1]
+    to broadcast per row (keepdim, or unsqueezed); None if it is not."""
+    path = [node]
+    while is_op(path[-1], aten.unsqueeze, aten.view, aten.reshape):
+        path.append(path[-1].args[0])
+    found = reduction(path[-1])
+    if (found is None or found[0] not in kinds or found[1] is not x or len(found[2]) != 1
+            or not is_last_dim(found[2][0], x) or dims(node) != dims(x)[:-1] + [1]):
+        return None
+    return path + [a for a in path[-1].args if isinstance(a, fx.Node) and a is not x]  # max.dim / online softmax

@@ -13,7 +13,7 @@ Pattern (post-grad ATen graph, anchored at `aten.topk`), as a family:
     w       = w * scale                optional scale
 
 Views, reshapes, permutes and dtype converts may sit anywhere along it: the pass follows them
-(`_walk`) and checks that they only move values (`_in_order`, `_source_dims`) or round them
+(`walk`) and checks that they only move values (`in_order`, `source_dims`) or round them
 (`_rounding`). On GPUs Inductor also zero-pads an unaligned GEMM's operands and slices its output
 back (pad_mm), and unfuses addmm into mm + bias; tests/passes/cuda_forms.py reproduces both on CPU.
 
@@ -60,83 +60,11 @@ from megafuse.lowering import mega_gate as gate_kernels
 
 from . import ops
 from .base import Candidate, FusionPass, NoMatch
-from .graph import aten, arg, dtype, frozen_value, frozen_weight, is_convert, is_last_dim, is_op, linear_operands, \
-    prims, rank, scalar, under_slices, unpadded, val
+from .graph import FLOATS, aten, arg, call, dims, dtype, frozen_value, frozen_weight, in_order, is_convert, is_last_dim, \
+    is_op, linear_operands, per_row, prims, rank, reduction, scalar, source_dims, under_slices, unpadded, val, walk
 from .registry import register
 
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus default: x for x > 20
-
-# Ops that move values without changing them (an expand only when it keeps the shape).
-RESHAPES = (aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze, aten.clone, aten.alias,
-            aten.expand)
-TRANSPOSES = (aten.permute, aten.t, aten.transpose)
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-# ---- views and converts --------------------------------------------------------------------------
-
-def _dims(node) -> list:
-    """The shape, symbolic sizes as text (comparing them must not add guards to the graph)."""
-    v = val(node)
-    return [s if isinstance(s, int) else str(s) for s in v.shape] if isinstance(v, torch.Tensor) else []
-
-
-def _moves(node) -> bool:
-    if is_op(node, aten.expand):
-        return _dims(node) == _dims(node.args[0])
-    return is_op(node, *RESHAPES, *TRANSPOSES)
-
-
-def _walk(node: fx.Node) -> list[fx.Node]:
-    """[node, ..., source]: down through ops that move values and dtype converts, to the first node
-    that is neither."""
-    path = [node]
-    while _moves(path[-1]) or is_convert(path[-1]):
-        path.append(path[-1].args[0])
-    return path
-
-
-def _perm(node: fx.Node) -> list[int]:
-    n = rank(node.args[0])
-    if is_op(node, aten.permute):
-        return [d % n for d in node.args[1]]
-    if is_op(node, aten.t):
-        return list(range(n))[::-1]
-    perm = list(range(n))
-    a, b = node.args[1] % n, node.args[2] % n
-    perm[a], perm[b] = perm[b], perm[a]
-    return perm
-
-
-def _in_order(path: list[fx.Node]) -> bool:
-    """The top of `path` holds its source's values in the same row-major order: reshapes never
-    reorder, and every transpose moves only size-1 dims."""
-    for node in path[:-1]:
-        if is_op(node, *TRANSPOSES):
-            sizes = _dims(node.args[0])
-            kept = [d for d in _perm(node) if sizes[d] != 1]
-            if kept != sorted(kept):
-                return False
-    return True
-
-
-def _source_dims(path: list[fx.Node]) -> list[int] | None:
-    """For each dim of the top of `path` larger than 1, in order, the dim of the source it is;
-    None where a reshape merges or splits dims (then the top is no transposition of the source)."""
-    source_sizes = _dims(path[-1])
-    labels = [d if s != 1 else None for d, s in enumerate(source_sizes)]
-    for node in reversed(path[:-1]):
-        if is_op(node, *TRANSPOSES):
-            labels = [labels[d] for d in _perm(node)]
-        elif not is_convert(node):
-            kept = [d for d in labels if d is not None]
-            sizes = _dims(node)
-            if [s for s in sizes if s != 1] != [source_sizes[d] for d in kept]:
-                return None
-            kept_iter = iter(kept)
-            labels = [next(kept_iter) if s != 1 else None for s in sizes]
-    return [d for d in labels if d is not None]
-
 
 def _holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
     """Every value of `narrow` is exact in `wide`."""
@@ -183,16 +111,10 @@ class _Input:
         if weight_rows is not None and frozen_value(node) is not None:
             node = frozen_weight(node, weight_rows, transposed=self.transpose, what="gate weight")
         elif self.transpose:
-            node = _call(graph, aten.permute.default, (node, [1, 0]), val(node).t())
+            node = call(graph, aten.permute.default, (node, [1, 0]), val(node).t())
         if dtype(node) != self.dtype:
-            node = _call(graph, prims.convert_element_type.default, (node, self.dtype), val(node).to(self.dtype))
+            node = call(graph, prims.convert_element_type.default, (node, self.dtype), val(node).to(self.dtype))
         return node
-
-
-def _call(graph: fx.Graph, target, args, fake) -> fx.Node:
-    node = graph.call_function(target, args)
-    node.meta["val"] = fake
-    return node
 
 
 def _pick_input(path: list[fx.Node], fits: list[fx.Node], what: str) -> _Input | None:
@@ -212,33 +134,6 @@ def _pick_input(path: list[fx.Node], fits: list[fx.Node], what: str) -> _Input |
 
 
 # ---- the pieces of the chain ---------------------------------------------------------------------
-
-def _reduction(node: fx.Node):
-    """(kind, input, dims) of a reduction: sum, amax, max.dim's values, the online softmax's max or
-    sum (prims.prepare_softmax_online, Triton graphs); None for anything else."""
-    if is_op(node, aten.sum, aten.amax):
-        return node.target.overloadpacket.__name__, node.args[0], list(arg(node, 1, "dim", None) or [])
-    if node.target is operator.getitem:
-        source, item = node.args
-        if is_op(source, aten.max) and len(source.args) > 1 and item == 0:
-            return "max", source.args[0], [source.args[1]]
-        if is_op(source, prims.prepare_softmax_online):
-            return ("online max", "online sum")[item], source.args[0], [source.args[1]]
-    return None
-
-
-def _per_row(node: fx.Node, x: fx.Node, kinds: tuple[str, ...]) -> list[fx.Node] | None:
-    """The nodes of `node` = a reduction (one of `kinds`) of x over its last dim, shaped [..., 1]
-    to broadcast per row (keepdim, or unsqueezed); None if it is not."""
-    path = [node]
-    while is_op(path[-1], aten.unsqueeze, aten.view, aten.reshape):
-        path.append(path[-1].args[0])
-    found = _reduction(path[-1])
-    if (found is None or found[0] not in kinds or found[1] is not x or len(found[2]) != 1
-            or not is_last_dim(found[2][0], x) or _dims(node) != _dims(x)[:-1] + [1]):
-        return None
-    return path + [a for a in path[-1].args if isinstance(a, fx.Node) and a is not x]  # max.dim / online softmax
-
 
 def _computed_in_fp32(nodes: list[fx.Node], what: str) -> None:
     for node in nodes:
@@ -303,14 +198,14 @@ def _softmax(div: fx.Node) -> _Scoring | None:
         return None
     sub = num.args[0]
     if not is_op(sub, aten.sub):
-        if _per_row(den, num, ("sum",)) is not None:
+        if per_row(den, num, ("sum",)) is not None:
             raise NoMatch("a softmax without subtracting the row max (exp(x) / sum exp(x)): not torch's softmax")
         return None
     x, row_max = sub.args
-    max_nodes = _per_row(row_max, x, ("amax", "max", "online max"))
-    sum_nodes = _per_row(den, num, ("sum",)) or _per_row(den, x, ("online sum",))
+    max_nodes = per_row(row_max, x, ("amax", "max", "online max"))
+    sum_nodes = per_row(den, num, ("sum",)) or per_row(den, x, ("online sum",))
     if max_nodes is None or sum_nodes is None:
-        reductions = [r for r in map(_reduction, (_walk(row_max)[-1], _walk(den)[-1])) if r is not None]
+        reductions = [r for r in map(reduction, (walk(row_max)[-1], walk(den)[-1])) if r is not None]
         if any(len(dims) != 1 or not is_last_dim(dims[0], x) for _, _, dims in reductions):
             raise NoMatch("softmax over a dimension other than the experts")
         return None
@@ -345,7 +240,7 @@ def _gemm_operands(top: fx.Node) -> tuple[fx.Node, fx.Node, bool, list[fx.Node]]
             is_op(under_slices(a)[0], aten.mm, aten.bmm) for a in gemm.args[:2]):  # unfused addmm (GPUs)
         raise NoMatch("the gate GEMM has a bias term (addmm): not a supported variant")
     if is_op(gemm, aten.bmm):  # einsum's form: [1, N, D] @ [1, D, E]
-        if _dims(gemm)[0] != 1:
+        if dims(gemm)[0] != 1:
             raise NoMatch("a batched GEMM over several weights: not one gate")
         linear = gemm.args[0], gemm.args[1], True
     else:
@@ -353,23 +248,23 @@ def _gemm_operands(top: fx.Node) -> tuple[fx.Node, fx.Node, bool, list[fx.Node]]
     if linear is None:
         raise NoMatch("the scores do not come from a GEMM", candidate=False)
     tokens, weight, is_transposed = unpadded(linear[0]), unpadded(linear[1]), linear[2]
-    experts = _dims(weight)[-1] if is_transposed else _dims(weight)[0]
-    if _dims(top) != _dims(tokens)[:-1] + [experts]:
+    experts = dims(weight)[-1] if is_transposed else dims(weight)[0]
+    if dims(top) != dims(tokens)[:-1] + [experts]:
         raise NoMatch("the GEMM's output is cut to other sizes than its unpadded operands'")
     return tokens, weight, is_transposed, [*slices, gemm]
 
 
 def _weight_input(operand: fx.Node, is_transposed: bool) -> _Input:
     """W [E, D] behind the GEMM's weight operand (W^T for mm / bmm, W for MKL's linear)."""
-    path = _walk(operand)
+    path = walk(operand)
     source = path[-1]
-    source_dims = _source_dims(path)
-    if rank(source) != 2 or source_dims is None or len(source_dims) != 2:
+    labels = source_dims(path)
+    if rank(source) != 2 or labels is None or len(labels) != 2:
         raise NoMatch("the GEMM's second operand is not a view of an [experts, hidden] weight")
-    experts_dim = source_dims[-1] if is_transposed else source_dims[0]
-    arranged = {i: _source_dims(path[i:]) if rank(n) == 2 else None for i, n in enumerate(path)}
-    as_w = [path[i] for i, dims in arranged.items() if dims == [experts_dim, 1 - experts_dim]]
-    as_w_t = [path[i] for i, dims in arranged.items() if dims == [1 - experts_dim, experts_dim]]
+    experts_dim = labels[-1] if is_transposed else labels[0]
+    arranged = {i: source_dims(path[i:]) if rank(n) == 2 else None for i, n in enumerate(path)}
+    as_w = [path[i] for i, order in arranged.items() if order == [experts_dim, 1 - experts_dim]]
+    as_w_t = [path[i] for i, order in arranged.items() if order == [1 - experts_dim, experts_dim]]
     picked = _pick_input(path, as_w, "the gate weight's values")
     if picked is None:  # stored [D, E]: the kernel reads it transposed
         picked = _pick_input(path, as_w_t, "the gate weight's values")
@@ -390,9 +285,9 @@ def _gather_of(ids: fx.Node, n_experts: int):
             if is_op(user, aten.gather) and user.args[2] is node and is_last_dim(user.args[1], user.args[0]):
                 return user, user.args[0], via
             if is_op(user, aten.index) and rank(user) == 2 and list(user.args[1])[1:] == [node]:
-                if _is_row_numbers(user.args[1][0], _dims(user)[0]):
+                if _is_row_numbers(user.args[1][0], dims(user)[0]):
                     return user, user.args[0], via
-            if (is_op(user, aten.expand) and _dims(user) == _dims(node)) or (
+            if (is_op(user, aten.expand) and dims(user) == dims(node)) or (
                     is_op(user, aten.remainder) and scalar(user.args[1]) == n_experts):  # ids are already in [0, E)
                 frontier.append((user, via + [user]))
     return None
@@ -400,11 +295,11 @@ def _gather_of(ids: fx.Node, n_experts: int):
 
 def _is_row_numbers(node, n_rows) -> bool:
     """arange(n_rows)[:, None]: prims.iota(n_rows, start=0, step=1) made a column."""
-    if not (is_op(node, aten.unsqueeze, aten.view, aten.reshape) and _dims(node) == [n_rows, 1]):
+    if not (is_op(node, aten.unsqueeze, aten.view, aten.reshape) and dims(node) == [n_rows, 1]):
         return False
     iota = node.args[0]
     return (is_op(iota, prims.iota) and iota.kwargs.get("start") == 0 and iota.kwargs.get("step") == 1
-            and _dims(iota) == [n_rows])
+            and dims(iota) == [n_rows])
 
 
 def _reads(node: fx.Node, target: fx.Node, depth: int = 4) -> bool:
@@ -430,10 +325,10 @@ def _renormalisation(weights: fx.Node) -> tuple[fx.Node, float, list[fx.Node]] |
         if is_op(path[-1], aten.add) and scalar(path[-1].args[1]) is not None:
             eps = scalar(path[-1].args[1])
             path = unsqueezed(path + [path[-1].args[0]])
-        found = _reduction(path[-1])
+        found = reduction(path[-1])
         is_sum = found is not None and found[0] == "sum" and found[1] is weights
         if is_sum and len(found[2]) == 1 and is_last_dim(found[2][0], weights) and \
-                _dims(den) == _dims(weights)[:-1] + [1]:
+                dims(den) == dims(weights)[:-1] + [1]:
             return div, eps, [div, *path]
         if is_sum:
             raise NoMatch(f"the weights are divided by their sum over dims {found[2]}, not over the chosen experts")
@@ -454,8 +349,8 @@ def _forward_converts(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
 
 def _per_expert(offset: fx.Node, of: fx.Node) -> bool:
     """`offset` adds one value per expert to `of` ([E], or [1, ..., E])."""
-    sizes = _dims(offset)
-    return 1 <= len(sizes) <= rank(of) and sizes[-1] == _dims(of)[-1] and all(s == 1 for s in sizes[:-1])
+    sizes = dims(offset)
+    return 1 <= len(sizes) <= rank(of) and sizes[-1] == dims(of)[-1] and all(s == 1 for s in sizes[:-1])
 
 
 @register
@@ -475,33 +370,33 @@ class MegaGatePass(FusionPass):
         dim, largest = arg(topk, 2, "dim", -1), arg(topk, 3, "largest", True)
 
         # 1. The choice: scores, or scores + one offset per expert (the bias), views and converts around.
-        choice_path = _walk(choice)
+        choice_path = walk(choice)
         bias_top, score_top = None, choice
         add = choice_path[-1]
         if is_op(add, aten.add) and all(isinstance(a, fx.Node) for a in add.args[:2]):
             if scalar(arg(add, 2, "alpha", 1)) != 1.0:
                 raise NoMatch("scores + alpha * bias with alpha != 1")
             a, b = add.args[:2]
-            if _per_expert(b, add) and _dims(a) == _dims(add):
+            if _per_expert(b, add) and dims(a) == dims(add):
                 score_top, bias_top = a, b
-            elif _per_expert(a, add) and _dims(b) == _dims(add):
+            elif _per_expert(a, add) and dims(b) == dims(add):
                 score_top, bias_top = b, a
             else:
                 raise NoMatch("the selection offset is not one value per expert")
 
         # 2. The scoring, and the GEMM under it.
-        score_path = _walk(score_top)
+        score_path = walk(score_top)
         scoring = _match_scoring(score_path[-1])
-        logits_path = _walk(scoring.logits)
+        logits_path = walk(scoring.logits)
         tokens, weight_operand, is_transposed, gemm = _gemm_operands(logits_path[-1])
         logits_path += gemm[1:]
         weight = _weight_input(weight_operand, is_transposed)
         n_experts, hidden = weight.fake().shape
         for what, path in (("logits", logits_path), ("scores", score_path), ("choice", choice_path)):
-            if not _in_order(path):
+            if not in_order(path):
                 raise NoMatch(f"the {what} are permuted on the way to the top-k")
-            if _dims(path[0])[-1] != n_experts:
-                raise NoMatch(f"the {what} have {_dims(path[0])[-1]} values a row, not the {n_experts} experts")
+            if dims(path[0])[-1] != n_experts:
+                raise NoMatch(f"the {what} have {dims(path[0])[-1]} values a row, not the {n_experts} experts")
 
         # 3. A top-k of the largest over the experts.
         if not is_last_dim(dim, choice):
@@ -520,11 +415,11 @@ class MegaGatePass(FusionPass):
         gathered = _gather_of(ids, n_experts)
         if gathered is not None:
             weights, source, via = gathered
-            source_path = _walk(source)
+            source_path = walk(source)
             if bias_top is not None and add in source_path:
                 raise NoMatch("the selection bias also enters the weights (gather reads scores + bias)")
             on_scores = [i for i, n in enumerate(source_path) if n in score_path]
-            if not on_scores or _dims(source) != _dims(choice):
+            if not on_scores or dims(source) != dims(choice):
                 raise NoMatch("the gathered weights are not the scores at the chosen experts")
             scores = source_path[on_scores[0]]
             below = score_path[score_path.index(scores):]
@@ -565,16 +460,16 @@ class MegaGatePass(FusionPass):
             final, scale = mul, scalar(mul.args[1])
 
         # 7. The inputs: u with the routing's leading dims, the bias as one value per expert.
-        u_path = _walk(tokens)
-        if not _in_order(u_path):
+        u_path = walk(tokens)
+        if not in_order(u_path):
             raise NoMatch("the GEMM reads the tokens through a permutation")
-        routing_dims = _dims(ids)[:-1]
-        u = _pick_input(u_path, [n for n in u_path if _dims(n) == routing_dims + [hidden]], "the GEMM input")
+        routing_dims = dims(ids)[:-1]
+        u = _pick_input(u_path, [n for n in u_path if dims(n) == routing_dims + [hidden]], "the GEMM input")
         if u is None and all(isinstance(d, int) for d in routing_dims):  # the rewrite reshapes the outputs
-            u = _pick_input(u_path, [n for n in u_path if _dims(n)[-1:] == [hidden]], "the GEMM input")
+            u = _pick_input(u_path, [n for n in u_path if dims(n)[-1:] == [hidden]], "the GEMM input")
         if u is None:
             raise NoMatch(f"no view of the tokens the GEMM reads has the routing's shape {routing_dims}")
-        bias_path = _walk(bias_top) if bias_top is not None else []
+        bias_path = walk(bias_top) if bias_top is not None else []
         bias = _pick_input(bias_path, bias_path, "the bias") if bias_path else None
 
         # 8. Everything but the two outputs must be private to the chain.
@@ -606,18 +501,18 @@ class MegaGatePass(FusionPass):
             bias = inputs["bias"].materialise(graph) if inputs["bias"] else None
             op = torch.ops.megafuse.mega_gate.default
             args = (u, weight, bias, *ops.gate_scalars(spec))
-            fused = _call(graph, op, args, ops.gate_fake(*(val(a) for a in args)))
-            weights = _call(graph, operator.getitem, (fused, 0), fused.meta["val"][0])
-            ids = _call(graph, operator.getitem, (fused, 1), fused.meta["val"][1])
+            fused = call(graph, op, args, ops.gate_fake(*(val(a) for a in args)))
+            weights = call(graph, operator.getitem, (fused, 0), fused.meta["val"][0])
+            ids = call(graph, operator.getitem, (fused, 1), fused.meta["val"][1])
             created = [fused, weights, ids]
             ids_val = val(outputs["ids"])
             if val(ids).shape != ids_val.shape:  # u's leading dims were folded away: [N, k] -> the routing's
-                weights = _call(graph, aten.reshape.default, (weights, list(ids_val.shape)),
+                weights = call(graph, aten.reshape.default, (weights, list(ids_val.shape)),
                                 weights_val.to(torch.float32))
-                ids = _call(graph, aten.reshape.default, (ids, list(ids_val.shape)), ids_val)
+                ids = call(graph, aten.reshape.default, (ids, list(ids_val.shape)), ids_val)
                 created += [weights, ids]
             if weights_val.dtype != torch.float32:  # the chain ran in a lower precision
-                weights = _call(graph, prims.convert_element_type.default, (weights, weights_val.dtype), weights_val)
+                weights = call(graph, prims.convert_element_type.default, (weights, weights_val.dtype), weights_val)
                 created.append(weights)
         for node in created:
             node.meta["stack_trace"] = candidate.anchor.meta.get("stack_trace")

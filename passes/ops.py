@@ -18,6 +18,7 @@ import functools
 import torch
 from torch._inductor.lowering import fallback_handler, register_lowering
 
+from megafuse.lowering import mega_attention as attention_kernels
 from megafuse.lowering import mega_gate as gate_kernels
 from megafuse.lowering import mega_mhc as mhc_kernels
 
@@ -227,3 +228,75 @@ def mhc_fake(streams, y, post, comb, carried_pre, fn, base, scale, norm_weight, 
 mega_mhc.register_fake(mhc_fake)
 _kernel_op(mega_mhc_kernel, mhc_fake)
 _bind(torch.ops.megafuse.mega_mhc.default, torch.ops.megafuse.mega_mhc_kernel.default)
+
+
+# ---- megafuse::mega_attention ---------------------------------------------------------------------
+# q [..., H, Dh], keys [..., J, Dh] (K = V), valid [..., J] bool, sink [H] fp32 and angles
+# [..., rope_dim / 2] fp32, one leading shape (the rows) for all -> out [..., H, Dh] in out_dtype.
+# The angles may broadcast against the rows (a model that takes one position per token for every
+# sequence of a batch: angles [1, T, ..] for q [B, T, ..]).
+# The shapes bind heads, head_dim and rope_dim; the scalars the rest.
+
+ATTENTION_SCALARS = ("scale", "out_dtype", "mxfp8")
+
+
+def attention_spec(q: torch.Tensor, angles: torch.Tensor, scale: float, out_dtype: str,
+                   mxfp8: bool) -> "attention_kernels.AttentionSpec":
+    return _attention_spec(q.shape[-2], q.shape[-1], angles.shape[-1] * 2, q.dtype, scale, out_dtype, mxfp8)
+
+
+@functools.cache  # one spec per site, asked for on every call of the op
+def _attention_spec(heads, head_dim, rope_dim, key_dtype, scale, out_dtype, mxfp8) -> "attention_kernels.AttentionSpec":
+    return attention_kernels.AttentionSpec(heads=heads, head_dim=head_dim, rope_dim=rope_dim, scale=scale,
+                                           key_dtype=_dtype_name(key_dtype), out_dtype=out_dtype, mxfp8=mxfp8)
+
+
+def attention_scalars(spec: "attention_kernels.AttentionSpec") -> tuple:
+    return tuple(getattr(spec, name) for name in ATTENTION_SCALARS)
+
+
+def _run_attention(impl, q, keys, valid, sink, angles, scalars, check_only=False):
+    """The rows' leading dims flattened for the launcher (and restored on the output)."""
+    spec = attention_spec(q, angles, *scalars)
+    lead = q.shape[:-2]
+    if angles.dim() == len(lead) + 1 and all(a in (1, r) for a, r in zip(angles.shape, lead)):
+        angles = angles.expand(*lead, angles.shape[-1])
+    for name, t, keep in (("keys", keys, 2), ("valid", valid, 1), ("angles", angles, 1)):
+        if t.shape[:-keep] != lead:
+            raise ValueError(f"mega_attention: {name} has leading dims {list(t.shape[:-keep])}, q {list(lead)}: "
+                             "every input holds one entry per row" + (" (the angles may broadcast)" if name == "angles" else ""))
+    args = (_flat(q, 2), _flat(keys, 2), _flat(valid, 1), sink, _flat(angles, 1), spec)
+    if check_only:
+        return attention_kernels.validate(*args)
+    out = impl(*args)
+    return out if q.dim() == 3 else out.reshape(q.shape)
+
+
+def attention_unsupported(q, keys, valid, sink, angles, *scalars) -> str | None:
+    """Why the kernel launch would refuse these inputs (fake tensors will do), or None."""
+    try:
+        _run_attention(None, q, keys, valid, sink, angles, scalars, check_only=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@torch.library.custom_op("megafuse::mega_attention", mutates_args=())
+def mega_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                   angles: torch.Tensor, scale: float, out_dtype: str, mxfp8: bool) -> torch.Tensor:
+    """Sparse attention with the sink + inverse RoPE + the cast (+ MXFP8): the torch reference."""
+    return _run_attention(attention_kernels.reference, q, keys, valid, sink, angles, (scale, out_dtype, mxfp8))
+
+
+def mega_attention_kernel(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                          angles: torch.Tensor, scale: float, out_dtype: str, mxfp8: bool) -> torch.Tensor:
+    return _run_attention(attention_kernels.mega_attention, q, keys, valid, sink, angles, (scale, out_dtype, mxfp8))
+
+
+def attention_fake(q, keys, valid, sink, angles, scale, out_dtype, mxfp8):
+    return q.new_empty(q.shape, dtype=attention_kernels.DTYPES[out_dtype])
+
+
+mega_attention.register_fake(attention_fake)
+_kernel_op(mega_attention_kernel, attention_fake)
+_bind(torch.ops.megafuse.mega_attention.default, torch.ops.megafuse.mega_attention_kernel.default)

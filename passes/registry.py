@@ -56,3 +56,4 @@ def _load_builtin_passes() -> None:
     # Importing a pass module registers it; kept lazy so `passes.registry` imports nothing heavy.
     from . import mega_mhc  # noqa: F401
     from . import mega_gate  # noqa: F401
+    from . import mega_attention  # noqa: F401

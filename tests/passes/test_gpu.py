@@ -30,7 +30,8 @@ def test_tiny_all_passes_on_cuda_equal_eager():
         misses = [f"{node}: {why}" for g in fused.report.graphs for p in g.passes if p.name == name
                   for node, why in p.decisions.items() if not why.startswith("matched")]
         print(f"  {name}: {len(misses)} anchors not matched, e.g. {misses[:6]}")
-    assert fused.report.counts() == {"mega_mhc": 2 * cfg.n_layers + 1, "mega_gate": cfg.n_layers}
+    assert fused.report.counts() == {"mega_mhc": 2 * cfg.n_layers + 1, "mega_gate": cfg.n_layers,
+                                      "mega_attention": cfg.n_layers}
     assert err <= 1e-3  # fp32 model; the gate GEMM runs 3xTF32 on CUDA
 
 
@@ -97,7 +98,8 @@ def test_tiny_cast_to_bf16_fuses_every_seam_and_gate_on_cuda(T):
         fused = passes.compile(model, passes="all", fullgraph=True)
         logits, eager = fused(ids).float(), model(ids).float()
         exact = build_model(cfg, seed=0).to("cuda", torch.float64)(ids).float()
-    assert fused.report.counts() == {"mega_mhc": 2 * cfg.n_layers + 1, "mega_gate": cfg.n_layers}, \
+    assert fused.report.counts() == {"mega_mhc": 2 * cfg.n_layers + 1, "mega_gate": cfg.n_layers,
+                                      "mega_attention": cfg.n_layers}, \
         [(r.anchor, r.reason) for name in passes.available() for r in fused.report.rejections(name)]
     # bf16 is the model's precision: at 24 tokens eager bf16 is 4.2% from the fp64 model, and plain
     # Inductor, which sums in other orders, 4.7% from eager (CPU). So the compiled model is held to

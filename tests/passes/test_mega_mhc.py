@@ -369,8 +369,9 @@ def test_tiny_cast_to_bf16_fuses_every_seam_and_gate_and_equals_the_eager_model(
     with torch.no_grad():
         fused = fuse(model, "all", fullgraph=True)
         logits, want = fused(ids), model(ids)
-    assert fused.report.counts() == {"mega_mhc": 2 * cfg.n_layers + 1, "mega_gate": cfg.n_layers}, \
-        [(r.anchor, r.reason) for name in ("mega_mhc", "mega_gate") for r in fused.report.rejections(name)]
+    assert fused.report.counts() == {"mega_mhc": 2 * cfg.n_layers + 1, "mega_gate": cfg.n_layers,
+                                      "mega_attention": cfg.n_layers}, \
+        [(r.anchor, r.reason) for name in ("mega_mhc", "mega_gate", "mega_attention") for r in fused.report.rejections(name)]
     specs = [m.spec for m in fused.report.matches("mega_mhc")]
     assert all(s["stream_dtype"] == "bfloat16" for s in specs)
     assert sum(s["has_coefficients"] for s in specs) == 2 * cfg.n_layers

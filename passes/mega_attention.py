@@ -1,0 +1,312 @@
+"""MegaAttention: sparse attention with a sink + inverse RoPE (+ the cast) -> one generated Triton kernel.
+
+Pattern (post-grad ATen graph, anchored at the P V `aten.bmm`), each query row with its own key rows:
+
+    s   = (q . k_j) * scale          bmm of q [.., R, H, Dh] and the keys [.., R, J, Dh], a scalar multiply
+    s   = where(~valid, -inf, s)      valid [.., R, J] bool, broadcast over the heads
+    m   = maximum(amax(s, -1), sink)  sink: one value per head
+    p   = exp(s - m) / (sum(exp(s - m), -1) + exp(sink - m))
+    o   = p @ keys                    the values are the keys (K = V)
+    o   = cat(o[..., :-rd], RoPE^-1(o[..., -rd:]))   pairs (2i, 2i + 1) rotated by -angle_i, in fp32
+    out = o.to(dtype)                 optional
+
+Views, permutes and converts sit between the pieces (the einsums decompose into bmm); the pass
+follows them and checks, through `graph.source_dims`, that each operand reaches its bmm with its
+dims in the order the maths needs (rows as the batch, heads as M, keys as N, Dh contracted).
+
+Replacement: `out = megafuse::mega_attention(q, keys, valid, sink, angles, scale, out_dtype, mxfp8=False)`
+on the tensors the chain starts from (one leading shape of rows for all of them), whose reference
+is `lowering.mega_attention.reference` (the model's own functions); Inductor lowers it to the kernel
+`lowering.mega_attention` generates. Under `quant="ref"` the MXFP8 rounding that follows stays
+unfused (the kernel's mxfp8 epilogue is there; matching the quantiser's chain is not yet), as do
+the q RoPE, the row gathers and the byte decodes before the chain.
+
+Not this pattern (near misses, rejected with the reason): a softmax without the sink (its max or its
+denominator), a softmax over another dim than the keys, values other than the keys, RoPE rotating
+other dims than the tail, intermediates used outside the chain.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from . import ops
+from .base import Candidate, FusionPass, NoMatch
+from .graph import aten, call, dims, dtype, is_convert, is_last_dim, is_op, keeps_leading, moves, per_row, scalar, \
+    sole_user, source_groups, under_slices, unpadded, val, walk
+from .registry import register
+
+
+def _named_order(path: list[fx.Node], names: str, want: str, what: str, *, inverse: bool = False) -> None:
+    """The top of `path` holds its source's dims named `names` in the order `want`, unit dims left
+    out on both sides. The first name, 'r', stands for all the source's leading dims (the rows,
+    merged into one dim or not); the others name its last dims. `inverse`: the source's dims as the
+    path's top names them (the output's path, from the P V bmm up to the output)."""
+    source = dims(path[0] if inverse else path[-1])
+    lead = len(source) - (len(names) - 1)
+    if lead < 0:
+        raise NoMatch(f"{what} has dims {source}; expected [rows.., {', '.join(names[1:])}]")
+    name_of = {d: "r" if d < lead else names[1 + d - lead] for d in range(len(source))}
+    rows = tuple(d for d in range(lead) if source[d] != 1)
+    groups = source_groups(path, inverse=inverse)
+    if groups is None:
+        raise NoMatch(f"{what} is reshaped across its dims on the way to the attention")
+    got, row_run = "", ()  # consecutive dims holding only rows, together all of them in order: "r"
+    for group in groups + [None]:
+        if group is not None and {name_of[d] for d in group} == {"r"}:
+            row_run += group
+            continue
+        if row_run:
+            got += "r" if row_run == rows else "(" + "r" * len(row_run) + ")"
+            row_run = ()
+        if group is not None:
+            got += name_of[group[0]] if len(group) == 1 else "(" + "".join(name_of[d] for d in group) + ")"
+    present = {name_of[d] for d in range(len(source)) if source[d] != 1}
+    expected = "".join(n for n in want if n in present)
+    if got != expected:
+        raise NoMatch(f"{what} reaches the attention with its dims as {got!r}, not {expected!r} "
+                      f"({dict(r='rows', h='heads', j='keys', d='head_dim')})")
+
+
+def _cut(path: list[fx.Node], rows: list, tail: list, what: str, broadcast: bool = False) -> list[fx.Node]:
+    """`path` ([top, ..., source]) up to its node nearest the source shaped rows + tail: the input
+    the op takes (one leading shape of rows for all its inputs; a [None] on the way may add the
+    leading 1 the output has). With `broadcast`, a leading dim may be 1 where the rows' is not (the
+    op broadcasts it), if no node on the way has the rows' very shape."""
+    for fits in (lambda d: d == rows + tail,
+                 lambda d: broadcast and len(d) == len(rows + tail) and d[len(rows):] == tail
+                 and all(a in (1, r) for a, r in zip(d, rows))):
+        for i in range(len(path) - 1, -1, -1):
+            if fits(dims(path[i])):
+                return path[:i + 1]
+    raise NoMatch(f"{what} is never shaped {rows + tail} (the output's rows) on its way to the attention")
+
+
+def _gemm(out: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """(a, b, the GEMM's nodes) of out = a @ b: a bmm, or an mm (on GPUs Inductor turns a bmm of
+    batch one into one), looking through the zero padding and the output slices of Inductor's
+    shape padding (GPUs). None if `out` is no GEMM."""
+    gemm, slices = under_slices(out)
+    if not is_op(gemm, aten.bmm, aten.mm):
+        return None
+    a, b = (unpadded(x) for x in gemm.args[:2])
+    if dims(out) != dims(gemm)[:-2] + [dims(a)[-2], dims(b)[-1]]:
+        raise NoMatch("a GEMM's output is cut to other sizes than its unpadded operands'")
+    return a, b, [gemm, *slices, *(x for x in gemm.args[:2] if x not in (a, b))]
+
+
+def _other(node: fx.Node, one: fx.Node):
+    a, b = node.args[:2]
+    return b if a is one else a if b is one else None
+
+
+def _forward_moves(node: fx.Node) -> list[fx.Node]:
+    """[node, ...]: up through sole users that only move values."""
+    path = [node]
+    while len(path[-1].users) == 1 and moves(next(iter(path[-1].users))):
+        path.append(next(iter(path[-1].users)))
+    return path
+
+
+def _slice_range(node: fx.Node, size: int) -> tuple[int, int] | None:
+    """[start, end) of a last-dim slice with step 1, normalised to 0..size; None if it is not one."""
+    if not is_op(node, aten.slice) or not is_last_dim(node.args[1] if len(node.args) > 1 else 0, node.args[0]):
+        return None
+    start, end = (node.args[2] if len(node.args) > 2 else 0), (node.args[3] if len(node.args) > 3 else size)
+    if (node.args[4] if len(node.args) > 4 else 1) != 1 or not isinstance(start, int) or not isinstance(end, int):
+        return None
+    norm = lambda i: max(0, min(size, i + size if i < 0 else i))  # noqa: E731
+    return norm(start), norm(end)
+
+
+def _inverse_rope(o: fx.Node, head_dim: int) -> tuple[fx.Node, fx.Node, int, list[fx.Node]]:
+    """(the rotated-back output, the angles' node, rope_dim, the nodes) of the inverse RoPE on o."""
+    slices = {n: _slice_range(n, head_dim) for n in o.users}
+    if len(slices) != 2 or None in slices.values():
+        raise NoMatch("the attention output is not split into a kept part and a rotated part (no inverse RoPE)")
+    kept, rotated = sorted(slices, key=lambda n: slices[n])
+    if slices[kept][0] != 0 or slices[kept][1] != slices[rotated][0] or slices[rotated][1] != head_dim:
+        raise NoMatch(f"the output is split into {sorted(slices.values())}: not [0, h) kept and [h, head_dim) rotated")
+    rd = head_dim - slices[rotated][0]
+    pairs = next(iter(rotated.users)) if len(rotated.users) == 1 else None
+    if pairs is not None and is_convert(pairs) and len(pairs.users) == 1:
+        pairs = next(iter(pairs.users))
+    if not is_op(pairs, aten.view, aten.reshape, aten._unsafe_view) or dims(pairs)[-2:] != [rd // 2, 2]:
+        raise NoMatch(f"the rotated part [{head_dim - rd}, {head_dim}) is not taken as {rd // 2} pairs")
+    picks = {n.args[2]: n for n in pairs.users if is_op(n, aten.select) and is_last_dim(n.args[1], pairs)}
+    if set(picks) != {0, 1} or len(pairs.users) != 2:
+        raise NoMatch("the pairs are not read as their even and odd elements")
+    even, odd = picks[0], picks[1]
+    products = {}
+    for x in (even, odd):
+        for mul in x.users:
+            other = _other(mul, x) if is_op(mul, aten.mul) else None
+            if other is None or not (is_op(other, aten.cos) or is_op(other, aten.neg) and is_op(other.args[0], aten.sin)):
+                raise NoMatch(f"{x.name} is not multiplied by the angles' cos or -sin")
+            products[(x is odd, "cos" if is_op(other, aten.cos) else "sin")] = (mul, other)
+    if len(products) != 4:
+        raise NoMatch("the pairs are not rotated (each element times cos and times -sin)")
+    cos, neg_sin = products[(False, "cos")][1], products[(False, "sin")][1]
+    angles = cos.args[0]
+    if neg_sin.args[0].args[0] is not angles or products[(True, "cos")][1] is not cos or products[(True, "sin")][1] is not neg_sin:
+        raise NoMatch("the rotation's cos and sin are not of one angle tensor")
+    new_even = next(iter(products[(False, "cos")][0].users))  # even cos - odd (-sin)
+    new_odd = next(iter(products[(True, "cos")][0].users))  # even (-sin) + odd cos
+    if not (is_op(new_even, aten.sub) and new_even.args == (products[(False, "cos")][0], products[(True, "sin")][0])):
+        raise NoMatch("the even elements are not rotated back as even cos - odd (-sin)")
+    if not (is_op(new_odd, aten.add) and set(new_odd.args[:2]) == {products[(False, "sin")][0], products[(True, "cos")][0]}):
+        raise NoMatch("the odd elements are not rotated back as even (-sin) + odd cos")
+    ups = [next(iter(x.users)) if len(x.users) == 1 else None for x in (new_even, new_odd)]
+    cat = next(iter(ups[0].users)) if ups[0] is not None and len(ups[0].users) == 1 else None
+    if not (is_op(cat, aten.cat) and list(cat.args[0]) == ups and all(is_op(u, aten.unsqueeze) for u in ups)):
+        raise NoMatch("the rotated pairs are not put back in their (even, odd) order")
+    back = _forward_moves(cat)
+    top = back[-1]
+    if len(top.users) == 1 and is_convert(next(iter(top.users))):
+        back.append(next(iter(top.users)))
+    joined = next(iter(back[-1].users)) if len(back[-1].users) == 1 else None
+    if not (is_op(joined, aten.cat) and list(joined.args[0]) == [kept, back[-1]]
+            and is_last_dim(joined.args[1] if len(joined.args) > 1 else 0, joined)):
+        raise NoMatch("the kept part and the rotated tail are not joined back as [kept, rotated]")
+    if dtype(back[-1]) != torch.float32 or dtype(kept) != torch.float32:
+        raise NoMatch("the inverse RoPE is rounded before the join: not where the kernel rounds")
+    nodes = [*slices, pairs, even, odd, *(m for m, _ in products.values()), cos, neg_sin, neg_sin.args[0],
+             new_even, new_odd, *ups, *back, joined]
+    if pairs.args[0] is not rotated:
+        nodes.append(pairs.args[0])
+    return joined, angles, rd, nodes
+
+
+@register
+class MegaAttentionPass(FusionPass):
+    name = "mega_attention"
+    description = "attention: sparse attention with the sink + inverse RoPE + the cast in one kernel (MQA)"
+    op = "megafuse::mega_attention"
+    run_order = 30
+
+    def anchors(self, graph: fx.Graph):
+        return [n for n in graph.nodes if is_op(n, aten.bmm, aten.mm)]
+
+    def match(self, gemm: fx.Node) -> Candidate:
+        pv = gemm  # P V's output, past the slices that cut shape padding off it
+        while sole_user(pv) is not None and keeps_leading(sole_user(pv)):
+            pv = sole_user(pv)
+        p, v, pv_nodes = _gemm(pv)
+        p_path, v_path = walk(p), walk(v)
+        div = p_path[-1]
+        if not is_op(div, aten.div) or not is_op(div.args[0], aten.exp):
+            raise NoMatch("not P V of a softmax", candidate=False)
+        exp_s, denom = div.args[:2]
+        sub = exp_s.args[0]
+        if not is_op(sub, aten.sub):
+            raise NoMatch("the exponent is not scores - max", candidate=False)
+        masked, m = sub.args[:2]
+
+        # 1. The sink: in the max and in the denominator.
+        if not is_op(m, aten.maximum):
+            raise NoMatch("the softmax's max does not include a sink (no maximum with one value per head)")
+        amax = next((x for x in m.args[:2] if per_row(x, masked, ("amax", "max"))), None)
+        if amax is None:
+            raise NoMatch("the softmax's max is not over the keys (the last dim)")
+        sink_b = _other(m, amax)
+        if not is_op(denom, aten.add):
+            raise NoMatch("the softmax's denominator has no sink term (sum + e^(sink - max))")
+        total = next((x for x in denom.args[:2] if per_row(x, exp_s, ("sum",))), None)
+        if total is None:
+            raise NoMatch("the softmax's denominator is not the sum over the keys (the last dim)")
+        sink_exp = _other(denom, total)
+        if not (is_op(sink_exp, aten.exp) and is_op(sink_exp.args[0], aten.sub)
+                and sink_exp.args[0].args[:2] == (sink_b, m)):
+            raise NoMatch("the softmax's denominator adds something else than e^(sink - max)")
+        sink_path = walk(sink_b)
+        heads = dims(sink_path[-1])
+
+        # 2. The masked, scaled scores of q against the keys.
+        if not (is_op(masked, aten.where) and is_op(masked.args[0], aten.bitwise_not, aten.logical_not)):
+            raise NoMatch("the scores are not masked as where(~valid, -inf, scores)")
+        fill = masked.args[1]
+        if not (scalar(fill) == -math.inf or is_op(fill, aten.full) and fill.args[1] == -math.inf):
+            raise NoMatch("the masked scores are not set to -inf")
+        scaled = masked.args[2]
+        if not is_op(scaled, aten.mul) or scalar(scaled.args[1]) is None:
+            raise NoMatch("the scores are not scaled by a constant")
+        s_path = walk(scaled.args[0])
+        qk = _gemm(s_path[-1])
+        if qk is None:
+            raise NoMatch("the scores are not a GEMM of q and the keys")
+        if len(heads) != 1:
+            raise NoMatch(f"the sink has dims {heads}: not one value per head")
+
+        # 3. The output, in the model's layout [rows.., heads, head_dim]: the rows every input is cut to.
+        o_path = _forward_moves(pv)
+        o = o_path[-1]
+        if len(dims(o)) < 3 or dims(o)[-2] != heads[0]:
+            raise NoMatch(f"the output {dims(o)} is not [rows.., heads, head_dim] with the sink's {heads[0]} heads")
+        _named_order(o_path[::-1], "rhd", "rhd", "the output", inverse=True)
+        rows, head_dim, n_keys = dims(o)[:-2], dims(o)[-1], dims(masked)[-1]
+        q_path = _cut(walk(qk[0]), rows, [heads[0], head_dim], "q")
+        k_path = _cut(walk(qk[1]), rows, [n_keys, head_dim], "the keys (scores)")
+        v_path = _cut(v_path, rows, [n_keys, head_dim], "the keys (values)")
+        if v_path[-1] is not k_path[-1]:
+            raise NoMatch("the values are not the keys (K = V)")
+        valid_path = _cut(walk(masked.args[0].args[0]), rows, [n_keys], "the mask")
+        q, keys, valid = q_path[-1], k_path[-1], valid_path[-1]
+        _named_order(q_path, "rhd", "rhd", "q")
+        _named_order(k_path, "rjd", "rdj", "the keys (scores)")
+        _named_order(v_path, "rjd", "rjd", "the keys (values)")
+        _named_order(s_path, "rhj", "rhj", "the scores", inverse=True)
+        _named_order(p_path, "rhj", "rhj", "the softmax")
+        _named_order(valid_path, "rj", "rj", "the mask")
+        if dtype(valid) != torch.bool:
+            raise NoMatch(f"the mask is {dtype(valid)}, not bool")
+        joined, angles_b, rope_dim, rope_nodes = _inverse_rope(o, head_dim)
+        angles = _cut(walk(angles_b), rows, [rope_dim // 2], "the angles", broadcast=True)[-1]
+        if dtype(angles) != torch.float32:
+            raise NoMatch(f"the angles are {dtype(angles)}: the rotation the kernel reproduces runs in fp32")
+        final = joined
+        if len(final.users) == 1 and is_convert(next(iter(final.users))):
+            final = next(iter(final.users))
+
+        # 4. q and the keys in one dtype; everything but the output private to the chain.
+        if dtype(q) != dtype(keys):
+            raise NoMatch(f"q is {dtype(q)} and the keys {dtype(keys)}: the kernel reads one dtype")
+        chain = [*pv_nodes, *qk[2], *p_path[:-1], div, exp_s, sub, denom, total, sink_exp, sink_exp.args[0], m, masked,
+                 masked.args[0], scaled, *s_path, *q_path[:-1], *k_path[:-1], *v_path[:-1], *o_path[1:], *rope_nodes,
+                 final]
+        chain += [n for x in (amax, total) for n in per_row(x, masked if x is amax else exp_s, ("amax", "max", "sum"))]
+        inside = set(chain)
+        nodes = [n for n in gemm.graph.nodes if n in inside]
+        for node in nodes:
+            if node is not final and not all(user in inside for user in node.users):
+                raise NoMatch(f"intermediate {node.name} is also used outside the attention chain")
+        spec = ops.attention_spec(val(q), val(angles), float(scalar(scaled.args[1])),
+                                  str(dtype(final)).removeprefix("torch."), False)
+        return Candidate(gemm, nodes, spec, inputs={"q": q, "keys": keys, "valid": valid,
+                                                  "sink": sink_path[-1], "angles": angles},
+                         outputs={"out": final}, insert_before=final,
+                         left_unfused=["the q RoPE, the row gathers and byte decodes before the scores, and "
+                                       "quant='ref''s MXFP8 rounding after the output"])
+
+    def check(self, candidate: Candidate) -> str | None:
+        i = candidate.inputs
+        return ops.attention_unsupported(val(i["q"]), val(i["keys"]), val(i["valid"]),
+                                         val(i["sink"]).float(), val(i["angles"]),
+                                         *ops.attention_scalars(candidate.spec))
+
+    def rewrite(self, graph: fx.Graph, candidate: Candidate) -> fx.Node:
+        i, out = candidate.inputs, candidate.outputs["out"]
+        with graph.inserting_before(candidate.insert_before):
+            sink = i["sink"]
+            if dtype(sink) != torch.float32:
+                sink = call(graph, torch.ops.prims.convert_element_type.default, (sink, torch.float32),
+                            val(sink).float())
+            args = (i["q"], i["keys"], i["valid"], sink, i["angles"], *ops.attention_scalars(candidate.spec))
+            fused = call(graph, torch.ops.megafuse.mega_attention.default, args,
+                         ops.attention_fake(*(val(a) for a in args)))
+        fused.meta["stack_trace"] = candidate.anchor.meta.get("stack_trace")
+        out.replace_all_uses_with(fused)
+        return fused
+

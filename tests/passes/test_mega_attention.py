@@ -1,0 +1,125 @@
+"""MegaAttention pass: exact match counts, the unfused ops gone, equality with the unfused chain,
+near misses left alone with the reason. Compiled through Inductor's real post-grad passes
+(`post_grad.fuse`) and run with the generated kernel (the Triton interpreter on the CPU)."""
+
+import pytest
+import torch
+from torch._inductor import config as inductor_config
+
+from megafuse.lowering import kernel_cache
+from tests.passes.attention_clients import (AttentionChain, ForwardRope, NoSinkInDenominator, NoSinkInMax,
+                                            RopeOnHead, SoftmaxOverHeads, ValuesNotKeys)
+from tests.passes.cuda_forms import TORCH_2_11_FORMS
+from tests.passes.post_grad import fuse
+
+HEADS, HEAD_DIM, ROPE_DIM, KEYS = 4, 32, 8, 12
+CHAIN_OPS = ("aten.bmm", "aten.amax", "aten.exp", "aten.maximum", "aten.cos", "aten.sin", "aten.cat",
+             "aten.where")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_cache_in_tmp(tmp_path_factory):
+    kernel_cache.set_cache_dir(tmp_path_factory.getbasetemp() / "kernels")
+    yield
+    kernel_cache.set_cache_dir(None)
+
+
+def _inputs(B, T, dtype, seed, heads=HEADS, n_keys=KEYS, dead_row=True):
+    """Random rows; with `dead_row`, query (0, 0) sees no valid key (its output is exactly 0)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, heads, HEAD_DIM, generator=g).to(dtype)
+    keys = torch.randn(B, T, n_keys, HEAD_DIM, generator=g).to(dtype)
+    valid = torch.rand(B, T, n_keys, generator=g) < 0.7
+    valid[0, 0] = not dead_row
+    angles = torch.rand(B, T, ROPE_DIM // 2, generator=g) * 100
+    return q, keys, valid, angles
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_the_model_chain_fuses_once_and_equals_it(dtype, tol):
+    module = AttentionChain(HEADS, HEAD_DIM, out_dtype=dtype)
+    args = _inputs(2, 3, dtype, seed=1)
+    fused = fuse(module, ["mega_attention"], fullgraph=True)
+    with torch.no_grad():
+        out, want = fused(*args), module(*args)
+    assert fused.report.counts() == {"mega_attention": 1}
+    graph = fused.post_grad_graphs[0]
+    assert "megafuse.mega_attention" in graph
+    for gone in CHAIN_OPS:
+        assert gone not in graph, gone
+    spec = fused.report.matches("mega_attention")[0].spec
+    assert (spec["heads"], spec["head_dim"], spec["rope_dim"]) == (HEADS, HEAD_DIM, ROPE_DIM)
+    assert spec["scale"] == HEAD_DIM ** -0.5 and spec["out_dtype"] == str(dtype).removeprefix("torch.")
+    assert out.dtype == dtype and out.shape == want.shape
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))  # no valid key, and the sink: exactly 0
+    assert _rel(out, want) <= tol
+
+
+def test_one_row_per_step_fuses():
+    # a decode step: one query per request, rows [R, 1]
+    module = AttentionChain(HEADS, HEAD_DIM)
+    args = _inputs(5, 1, torch.float32, seed=2)
+    fused = fuse(module, ["mega_attention"], fullgraph=True)
+    with torch.no_grad():
+        out = fused(*args)
+    assert fused.report.counts() == {"mega_attention": 1}
+    assert _rel(out, module(*args)) <= 1e-5
+
+
+def test_angles_shared_by_the_batch_fuse():
+    # the unbatched model's angles: one position per token for every sequence, [1, T, rd / 2]
+    module = AttentionChain(HEADS, HEAD_DIM)
+    q, keys, valid, angles = _inputs(3, 4, torch.float32, seed=5)
+    args = (q, keys, valid, angles[:1])
+    fused = fuse(module, ["mega_attention"], fullgraph=True)
+    with torch.no_grad():
+        out = fused(*args)
+    assert fused.report.counts() == {"mega_attention": 1}
+    assert "aten.cos" not in fused.post_grad_graphs[0]
+    assert _rel(out, module(*args)) <= 1e-5
+    assert _rel(out[2], module(*args)[2]) <= 1e-5 and _rel(out[2], out[1]) > 1e-2  # rows differ, angles shared
+
+
+@pytest.mark.parametrize("B, T, heads, n_keys, dtype", [
+    (1, 1, HEADS, KEYS, torch.float32),  # one row: Inductor makes both bmm of batch one mm
+    (2, 3, 3, 10, torch.bfloat16),  # 3 heads and 10 keys: both GEMMs zero-padded, their outputs sliced
+    (1, 1, 3, 10, torch.float32),  # both
+])
+def test_the_gpu_graph_forms_fuse(B, T, heads, n_keys, dtype):
+    module = AttentionChain(heads, HEAD_DIM, out_dtype=dtype)
+    args = _inputs(B, T, dtype, seed=4, heads=heads, n_keys=n_keys, dead_row=False)
+    fused, unfused = fuse(module, ["mega_attention"], fullgraph=True), fuse(module, "none", fullgraph=True)
+    with torch.no_grad(), inductor_config.patch(TORCH_2_11_FORMS):
+        out = fused(*args)
+        unfused(*args)
+    graph, before = fused.post_grad_graphs[0], unfused.post_grad_graphs[0]
+    assert ("aten.mm" in before) == (B * T == 1) and ("constant_pad_nd" in before) == (heads != HEADS)
+    assert fused.report.counts() == {"mega_attention": 1}
+    for gone in ("aten.bmm", "aten.mm", "aten.constant_pad_nd", "aten.exp"):
+        assert gone not in graph, gone
+    assert _rel(out, module(*args)) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("module, reason", [
+    (NoSinkInMax(HEADS, HEAD_DIM), "max does not include a sink"),
+    (NoSinkInDenominator(HEADS, HEAD_DIM), "denominator has no sink term"),
+    (SoftmaxOverHeads(HEADS, HEAD_DIM), "not over the keys"),
+    (ValuesNotKeys(HEADS, HEAD_DIM), "values are not the keys"),
+    (RopeOnHead(HEADS, HEAD_DIM), "rotated part [8, 32) is not taken as 12 pairs"),
+    (ForwardRope(HEADS, HEAD_DIM), "not multiplied by the angles' cos or -sin"),
+])
+def test_near_misses_are_not_matched_and_say_why(module, reason):
+    args = _inputs(2, 2, torch.float32, seed=3)
+    fused = fuse(module, ["mega_attention"], fullgraph=True)
+    with torch.no_grad():
+        out = fused(*args)
+    assert fused.report.counts() == {"mega_attention": 0}
+    reasons = [r.reason for r in fused.report.rejections("mega_attention")]
+    assert len(reasons) == 1 and reason in reasons[0], reasons
+    assert "megafuse.mega_attention" not in fused.post_grad_graphs[0]
+    # a query with no valid key is NaN without the sink in the max: the same NaN unfused
+    torch.testing.assert_close(out, module(*args), rtol=1e-6, atol=1e-6, equal_nan=True)
