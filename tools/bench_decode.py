@@ -8,8 +8,9 @@ engine's step (runtime.graphs.CompiledStep, a bucket of max(B, 2) rows: buckets 
 Stages, each saved as it finishes:
 
 1. build: the preset on the device, seeded weights;
-2. passes-<B>: the step compiled with every pass (one compiled step for every B: the first B's
-   first run compiles both regions, `graphs_compiled` stays 2), then the wall time of one step
+2. passes-<B>: the step compiled with the passes (`--passes`, `--no-<pass>`; default all), one
+   compiled step for every B (the first B's first run compiles both regions, `graphs_compiled`
+   stays 2), then the wall time of one step
    (call to synchronised result, so the host's launch cost counts: that is what graphs remove)
    without CUDA graphs and with them (capture time, graph memory), median of `--repeat` after
    3 untimed calls; the logits of the two compared (max |difference|), beside the difference
@@ -35,7 +36,7 @@ import torch
 from megafuse.model import CacheLayout, Sequence, build_model, build_step, page_table, resolve_config
 from megafuse.runtime.graphs import CompiledStep
 from megafuse.tools.bench_common import Stages, default_out, require_cuda
-from megafuse.tools.common import median, positive_ints
+from megafuse.tools.common import add_pass_arguments, median, positive_ints, selected_passes
 from megafuse.tools.output import environment
 
 PAGE_SIZE = 64
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=20, help="timed steps per measurement (default 20)")
     parser.add_argument("--out", help="results JSON (default results/decode/bench.json)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, no timing claims: checks the stages run")
+    add_pass_arguments(parser, "passes of the passes-<B> stages")
     args = parser.parse_args(argv)
     require_cuda(parser, args.dry_run)
     if args.context < 1 or args.repeat < 1:
@@ -60,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve_config(args.config)
     B_max, C = max(args.batches), args.context
     layout = CacheLayout.private(B_max, C + 1, PAGE_SIZE)
+    chosen = selected_passes(args)
     results = {"schema": "megafuse.bench_decode/2", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
-               "context": C, "batches": args.batches, "cache_layout": vars(layout),
+               "passes": chosen, "context": C, "batches": args.batches, "cache_layout": vars(layout),
                "method": "wall time of step() to a synchronised result, median of --repeat",
                "date": datetime.date.today().isoformat(), "environment": environment()}
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -97,15 +100,16 @@ def main(argv: list[str] | None = None) -> int:
                 times.append(time.perf_counter() - start)
         return median(times)
 
-    def step_for(passes: str) -> CompiledStep:
+    def step_for(passes: str | list[str]) -> CompiledStep:
         """One compiled step per pass set, shared by the batch sizes: its regions take the row count as a
         symbolic size, so the first batch compiles them and the others only capture their buckets."""
-        if passes not in state:
+        key = str(passes)
+        if key not in state:
             buckets = tuple(sorted({max(B, 2) for B in args.batches}))
-            state[passes] = CompiledStep(state["model"], layout=layout, buckets=buckets, passes=passes)
-        return state[passes]
+            state[key] = CompiledStep(state["model"], layout=layout, buckets=buckets, passes=passes)
+        return state[key]
 
-    def measure(B: int, passes: str, both_graph_modes: bool) -> dict:
+    def measure(B: int, passes: str | list[str], both_graph_modes: bool) -> dict:
         step, batch = step_for(passes), batch_of(B)
         step.cuda_graphs = False
         with torch.no_grad():
@@ -145,10 +149,10 @@ def main(argv: list[str] | None = None) -> int:
 
     stages.run("build", build)
     if results["stages"]["build"]["ok"]:
-        for passes, label in (("all", "passes"), ("none", "no-passes")):
+        for passes, label in ((chosen, "passes"), ("none", "no-passes")):
             for B in args.batches:
-                stages.run(f"{label}-{B}", lambda B=B: measure(B, passes, passes == "all"))
-            state.pop(passes, None)  # its cache and graphs' memory go before the next pass set's
+                stages.run(f"{label}-{B}", lambda B=B: measure(B, passes, label == "passes"))
+            state.pop(str(passes), None)  # its cache and graphs' memory go before the next pass set's
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         stages.run("summary", summary)
