@@ -15,20 +15,31 @@ the max, so the denominator never vanishes.
 
 Kernel design
 -------------
-One program per (row, block of BLOCK_H heads): the row's key tile [BLOCK_J, head_dim] is loaded
-once and used by every head of the block (heads sit in the MMA's M dimension, the MQA saving).
-An online softmax runs over the row's J keys with its running max started at the sink (so the
-sink's e^(sink - m) is the running sum's initial 1), the [BLOCK_H, head_dim] accumulator in fp32.
-The epilogue divides, rotates the tail back (cos and sin of the angles are taken with torch
-before the launch, as `apply_rope` takes them, so the rotation uses the chain's very values), rounds to out_dtype and, with mxfp8, rounds each
-block of 32 through e4m3 under its power-of-two scale, all in registers.
+One program per (row, block of BLOCK_H heads, split of the row's keys): the row's key tile
+[BLOCK_J, head_dim] is loaded once and used by every head of the block (heads sit in the MMA's M
+dimension, the MQA saving). An online softmax runs over the split's keys with its running max
+started at the sink, the [BLOCK_H, head_dim] accumulator in fp32 registers. The epilogue divides,
+rotates the tail back (cos and sin of the angles are taken with torch before the launch, as
+`apply_rope` takes them, so the rotation uses the chain's very values), rounds to out_dtype and,
+with mxfp8, rounds each block of 32 through e4m3 under its power-of-two scale, all in registers.
 
-Numerics: both dots run in fp32 at fp32-level accuracy ("tf32x3" on tensor cores; the interpreter
-computes them in fp32), as the chain computes in fp32 from upcast operands. The e4m3 rounding is
-done with integer and fp32 arithmetic (ties to even, subnormals, saturation at 448), so CPU and GPU
-round identically. The kernel may differ from the chain in the last fp32 bits (summation order,
-fused multiply-adds); an MXFP8 value can then differ by one e4m3 step where the fp32 value sits on
-a rounding tie of the chain's.
+`choose_config` sizes the tiles for Hopper (16 heads x 512 dims of accumulator, 32 KB key tiles,
+tl.dot's minimum of 16 on every dim) and splits the keys where rows x head blocks would leave SMs
+idle (decode): each split's program stores its running max, its running sum (without the sink) and
+its unnormalised o to an fp32 workspace, and `mega_attention_kernel_combine` merges the splits
+under their common max, adds the sink's e^(sink - m) once and runs the epilogue. Every split's max
+starts at the sink, a finite lower bound of the row's max, so a split whose keys are all invalid
+adds exactly nothing. With one split the kernel finishes the row itself (one launch).
+
+Numerics: fp32 keys: both dots at fp32-level accuracy ("tf32x3"), as the chain computes in fp32
+from upcast operands. 16-bit keys: q K^T is one 16-bit MMA with fp32 accumulation (16-bit products
+are exact in fp32, so this is the chain's fp32 dot up to summation order), and P V splits p into
+two 16-bit parts (hi + lo, each rounded to nearest: p to 2^-18 relative for bf16) against the exact
+keys: fp32-level accuracy at the 16-bit MMA rate (the interpreter upcasts before its dots: numpy
+has no bf16 dot). The e4m3 rounding is done with integer and fp32 arithmetic (ties to even,
+subnormals, saturation at 448), so CPU and GPU round identically. The kernel may differ from the
+chain in the last fp32 bits (summation order, fused multiply-adds); an MXFP8 value can then differ
+by one e4m3 step where the fp32 value sits on a rounding tie of the chain's.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ from . import kernel_cache, snippets
 from .launch import COMPILE_OPTIONS, empty
 
 KERNEL_NAME = "mega_attention_kernel"
+COMBINE_NAME = f"{KERNEL_NAME}_combine"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MXFP8_BLOCK = 32
 MAX_HEAD_DIM = 1024  # the fp32 accumulator of BLOCK_H heads x head_dim lives in registers
@@ -140,39 +152,91 @@ def _mxfp8(x, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def $KERNEL(q_ptr, k_ptr, valid_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, J,
-            stride_q_row, stride_q_head, stride_k_row, stride_k_key, stride_valid_row, stride_angle_row,
-            stride_out_row, stride_out_head, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
-            PRECISION: tl.constexpr):
-    row = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = heads < H
-    dims = tl.arange(0, DH)
-    q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + dims[None, :],
-                mask=head_ok[:, None], other=0.0).to(tl.float32)
-    # the running max starts at the sink, so e^(sink - m) starts the running sum at 1
-    m = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
-    total = tl.full((BLOCK_H,), 1.0, tl.float32)
-    acc = tl.full((BLOCK_H, DH), 0.0, tl.float32)
-    for start in range(0, J, BLOCK_J):
-        keys = start + tl.arange(0, BLOCK_J)
-        ok = (keys < J) & (tl.load(valid_ptr + row * stride_valid_row + keys, mask=keys < J, other=0) != 0)
-        k = tl.load(k_ptr + row * stride_k_row + keys[:, None] * stride_k_key + dims[None, :],
-                    mask=ok[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALE
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.reduce(s, 1, _maximum))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        total = total * alpha + tl.reduce(p, 1, _add)
-        acc = acc * alpha[:, None] + tl.dot(p, k, input_precision=PRECISION)
-        m = m_new
-    o = acc / total[:, None]
+def _dot16(a, b, acc, INTERPRETED: tl.constexpr):
+    """a @ b + acc for 16-bit a and b, fp32 accumulation on tensor cores."""
+    if INTERPRETED:  # numpy cannot dot bf16; 16-bit products are exact in fp32, so the sums agree
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _finish(o, row, heads, head_ok, dims, cos_ptr, sin_ptr, out_ptr, stride_angle_row, stride_out_row,
+            stride_out_head, BLOCK_H: tl.constexpr):
+    """The epilogue on o [BLOCK_H, DH] fp32: inverse RoPE, the rounding, MXFP8, the store."""
 $ROPE_LINES
 $ROUND_LINES
 $MXFP8_LINES
     tl.store(out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + dims[None, :],
              o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+@triton.jit
+def $KERNEL(q_ptr, k_ptr, valid_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, m_ptr, l_ptr, part_ptr, J,
+            KEYS_PER_SPLIT, stride_q_row, stride_q_head, stride_k_row, stride_k_key, stride_valid_row,
+            stride_angle_row, stride_out_row, stride_out_head, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
+            SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program (row, block of heads, split): the split's keys; with SPLITS > 1 its partial result
+    (running max, running sum without the sink, unnormalised o) goes to the workspace for
+    ${KERNEL}_combine, else the program finishes the row itself."""
+    row = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    dims = tl.arange(0, DH)
+    q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + dims[None, :],
+                mask=head_ok[:, None], other=0.0)
+    # the running max starts at the sink (a finite lower bound of the final max in every split); the
+    # sink's e^(sink - m) starts the running sum at 1 where one program sees all keys, else the
+    # combine adds it once
+    m = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
+    total = tl.full((BLOCK_H,), 1.0 if SPLITS == 1 else 0.0, tl.float32)
+    acc = tl.full((BLOCK_H, DH), 0.0, tl.float32)
+    first = tl.program_id(2) * KEYS_PER_SPLIT
+    last = tl.minimum(first + KEYS_PER_SPLIT, J)
+    for start in range(first, last, BLOCK_J):
+        keys = start + tl.arange(0, BLOCK_J)
+        ok = (keys < last) & (tl.load(valid_ptr + row * stride_valid_row + keys, mask=keys < last, other=0) != 0)
+        k = tl.load(k_ptr + row * stride_k_row + keys[:, None] * stride_k_key + dims[None, :],
+                    mask=ok[:, None], other=0.0)
+$SCORE_LINE
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(s, 1, _maximum))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        total = total * alpha + tl.reduce(p, 1, _add)
+$PV_LINES
+        m = m_new
+    if SPLITS == 1:
+        _finish(acc / total[:, None], row, heads, head_ok, dims, cos_ptr, sin_ptr, out_ptr, stride_angle_row,
+                stride_out_row, stride_out_head, BLOCK_H)
+    else:
+        at = (row * SPLITS + tl.program_id(2)) * H + heads
+        tl.store(m_ptr + at, m, mask=head_ok)
+        tl.store(l_ptr + at, total, mask=head_ok)
+        tl.store(part_ptr + at[:, None] * DH + dims[None, :], acc, mask=head_ok[:, None])
+
+
+@triton.jit
+def ${KERNEL}_combine(sink_ptr, cos_ptr, sin_ptr, out_ptr, m_ptr, l_ptr, part_ptr, stride_angle_row,
+                      stride_out_row, stride_out_head, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr):
+    """Program (row, block of heads): the splits' partial results merged under their common max,
+    the sink's term added once, then the epilogue."""
+    row = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    dims = tl.arange(0, DH)
+    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
+    m = sink
+    for split in range(SPLITS):
+        m = tl.maximum(m, tl.load(m_ptr + (row * SPLITS + split) * H + heads, mask=head_ok, other=0.0))
+    total = tl.exp(sink - m)
+    acc = tl.full((BLOCK_H, DH), 0.0, tl.float32)
+    for split in range(SPLITS):
+        at = (row * SPLITS + split) * H + heads
+        weight = tl.exp(tl.load(m_ptr + at, mask=head_ok, other=0.0) - m)
+        total += tl.load(l_ptr + at, mask=head_ok, other=0.0) * weight
+        acc += tl.load(part_ptr + at[:, None] * DH + dims[None, :], mask=head_ok[:, None], other=0.0) * weight[:, None]
+    _finish(acc / total[:, None], row, heads, head_ok, dims, cos_ptr, sin_ptr, out_ptr, stride_angle_row,
+            stride_out_row, stride_out_head, BLOCK_H)
 ''')
 
 _ROPE_LINES = '''    # inverse RoPE of the tail: pair i = (2i, 2i + 1), rotated by -angle
@@ -183,6 +247,18 @@ _ROPE_LINES = '''    # inverse RoPE of the tail: pair i = (2i, 2i + 1), rotated 
     cos = tl.load(cos_ptr + row * stride_angle_row + angle, mask=rotated, other=1.0)[None, :]
     sin = tl.load(sin_ptr + row * stride_angle_row + angle, mask=rotated, other=0.0)[None, :]
     o = tl.reshape(tl.join(even * cos + odd * sin, odd * cos - even * sin), (BLOCK_H, DH))'''
+
+# P V: fp32 keys multiply fp32 p at fp32-level accuracy (tf32x3). 16-bit keys are exact in the MMA's
+# own dtype, so q K^T is one 16-bit MMA with fp32 accumulation (exact products, as the chain's fp32
+# dot of upcast values) and p is split into two 16-bit parts (p = hi + lo to 2^-18 relative for
+# bf16), both rounded to nearest as torch rounds, two MMAs: fp32-level accuracy at 16-bit MMA rates.
+_SCORES_FP32 = '''        s = tl.dot(q, tl.trans(k), input_precision="tf32x3") * SCALE'''
+_PV_FP32 = '''        acc = tl.dot(p, k, acc * alpha[:, None], input_precision="tf32x3")'''
+_SCORES_16BIT = '''        s = _dot16(q, tl.trans(k), tl.full((BLOCK_H, BLOCK_J), 0.0, tl.float32), INTERPRETED) * SCALE'''
+_PV_16BIT = '''        p_hi = _round_$KEY_DTYPE(p)
+        p_lo = _round_$KEY_DTYPE(p - p_hi)
+        acc = _dot16(p_hi.to(k.dtype), k, acc * alpha[:, None], INTERPRETED)
+        acc = _dot16(p_lo.to(k.dtype), k, acc, INTERPRETED)'''
 
 _ROUNDING = ("bfloat16", "float16")  # out dtypes the epilogue rounds to (snippets.ROUND_16BIT)
 
@@ -200,7 +276,10 @@ def generate_source(spec: AttentionSpec) -> str:
         round_lines = f"    o = _round_{spec.out_dtype}(o)  # the chain's o.to({spec.out_dtype}), in fp32 registers"
     mxfp8_lines = "    o = _mxfp8(o, BLOCK_H)  # quant=\"ref\": MXFP8 in WO-A's input layout" if spec.mxfp8 else ""
     spec_line = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(spec).items())
+    sixteen = spec.key_dtype != "float32"
+    pv_lines = string.Template(_PV_16BIT).substitute(KEY_DTYPE=spec.key_dtype) if sixteen else _PV_FP32
     return _TEMPLATE.substitute(
+        SCORE_LINE=_SCORES_16BIT if sixteen else _SCORES_FP32, PV_LINES=pv_lines,
         COMBINERS=snippets.COMBINERS, ROUND_16BIT=snippets.ROUND_16BIT,
         KEY=spec.key(), SPEC_LINE=spec_line, KERNEL=KERNEL_NAME, H=spec.heads, DH=spec.head_dim,
         HALF=spec.head_dim // 2, ROPE_PAIRS=spec.rope_dim // 2, SCALE=repr(float(spec.scale)),
@@ -213,9 +292,10 @@ def kernel_name(spec: AttentionSpec) -> str:
     return f"mega_attention_{spec.key()}"
 
 
-def load(spec: AttentionSpec, interpret: bool):
-    """The jitted kernel of `spec` for one mode (writes the source to the cache on first use)."""
-    return kernel_cache.load_generated(kernel_name(spec), lambda: generate_source(spec), KERNEL_NAME, interpret)
+def load(spec: AttentionSpec, interpret: bool, attr: str = KERNEL_NAME):
+    """The jitted kernel `attr` of `spec`'s module for one mode (the source goes to the cache on
+    first use): KERNEL_NAME, or COMBINE_NAME, the merge of a split launch."""
+    return kernel_cache.load_generated(kernel_name(spec), lambda: generate_source(spec), attr, interpret)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,28 +329,75 @@ def validate(q, keys, valid, sink, angles, spec: AttentionSpec) -> None:
         raise ValueError(f"mega_attention: inputs on several devices: {sorted(map(str, devices))}")
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one launch tiles its work: heads per program (the MMA's M), keys per tile, and the
+    split of each row's keys over programs (SPLITS > 1 adds the combine launch)."""
+    block_h: int
+    block_j: int
+    splits: int
+    keys_per_split: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Register and shared-memory budgets of one program (4 warps): the fp32 accumulator
+# [block_h, head_dim] in registers (64 a thread at 8192 elements), a key tile of at most 32 KB per
+# pipeline stage. Their sizes are powers of two; tl.dot needs at least 16 along every dim.
+ACC_ELEMENTS = 8192
+KEY_TILE_BYTES = 32 * 1024
+MIN_DOT = 16
+TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM: fewer rows x head blocks than this split the keys
+MAX_SPLITS = 16  # the combine reads splits x heads x head_dim fp32 per row
+
+
+def choose_config(spec: AttentionSpec, rows: int, n_keys: int, splits: int | None = None) -> LaunchConfig:
+    """The launch for `rows` query rows of `n_keys` keys each; `splits` forces the key split (tests,
+    sweeps), else it grows until rows x head blocks x splits reaches TARGET_PROGRAMS."""
+    block_h = max(MIN_DOT, min(_next_pow2(spec.heads), max(MIN_DOT, ACC_ELEMENTS // spec.head_dim)))
+    element = DTYPES[spec.key_dtype].itemsize
+    block_j = max(MIN_DOT, min(64, KEY_TILE_BYTES // (spec.head_dim * element)))
+    tiles = max(1, -(-n_keys // block_j))
+    if splits is None:
+        programs = rows * -(-spec.heads // block_h)
+        splits = min(MAX_SPLITS, tiles, max(1, -(-TARGET_PROGRAMS // max(programs, 1))))
+    elif splits < 1:
+        raise ValueError(f"mega_attention: splits must be >= 1, got {splits}")
+    keys_per_split = -(-tiles // min(splits, tiles)) * block_j
+    return LaunchConfig(block_h, block_j, max(1, -(-n_keys // keys_per_split)), keys_per_split)
+
+
 def mega_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                   angles: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+                   angles: torch.Tensor, spec: AttentionSpec, splits: int | None = None) -> torch.Tensor:
     """out [R, H, head_dim] in out_dtype (module doc) from q [R, H, head_dim], keys [R, J, head_dim],
-    valid [R, J] bool, sink [H] and the rows' RoPE angles [R, rope_dim / 2] fp32; one launch (after
-    the angles' cos and sin, taken with torch as `apply_rope` takes them)."""
+    valid [R, J] bool, sink [H] and the rows' RoPE angles [R, rope_dim / 2] fp32: one launch, or two
+    where the keys are split over programs (`choose_config`; `splits` forces it), after the
+    angles' cos and sin, taken with torch as `apply_rope` takes them."""
     validate(q, keys, valid, sink, angles, spec)
     R, J = keys.shape[:2]
     out = empty((R, spec.heads, spec.head_dim), DTYPES[spec.out_dtype], q.device)
     if R == 0:
         return out
+    config = choose_config(spec, R, J, splits)
     cos, sin = angles.cos(), angles.sin()
     q, keys, valid = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, valid))
     sink = sink.contiguous()
-    block_h = min(_next_pow2(spec.heads), 64)
     interpret = q.device.type != "cuda"
-    kernel = load(spec, interpret=interpret)
-    grid = (R, -(-spec.heads // block_h))
+    heads = (R, -(-spec.heads // config.block_h))
+    partial = (R, config.splits, spec.heads)
+    m, total = (empty(partial, torch.float32, q.device) for _ in range(2)) if config.splits > 1 else (out, out)
+    acc = empty((*partial, spec.head_dim), torch.float32, q.device) if config.splits > 1 else out
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS)
     on_device = contextlib.nullcontext() if interpret else torch.cuda.device(q.device)
     with on_device:
-        kernel[grid](q, keys, valid, sink, cos, sin, out, J, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
-                     valid.stride(0), cos.stride(0), out.stride(0), out.stride(1), BLOCK_H=block_h, BLOCK_J=16,
-                     PRECISION="tf32x3", **COMPILE_OPTIONS)
+        load(spec, interpret)[(*heads, config.splits)](
+            q, keys, valid, sink, cos, sin, out, m, total, acc, J, config.keys_per_split, q.stride(0), q.stride(1),
+            keys.stride(0), keys.stride(1), valid.stride(0), cos.stride(0), out.stride(0), out.stride(1),
+            BLOCK_H=config.block_h, BLOCK_J=config.block_j, SPLITS=config.splits, INTERPRETED=interpret, **options)
+        if config.splits > 1:
+            load(spec, interpret, COMBINE_NAME)[heads](
+                sink, cos, sin, out, m, total, acc, cos.stride(0), out.stride(0), out.stride(1),
+                BLOCK_H=config.block_h, SPLITS=config.splits, **options)
     return out
 
 

@@ -90,8 +90,8 @@ def _recording(module):
     a recorder of the compiler-mode kernel (the interpreter's is not a JITFunction)."""
     load, recorders = module.load, []
 
-    def recording_load(spec, *_, **__):
-        recorders.append(_Recorder(load(spec, interpret=False)))
+    def recording_load(spec, _interpret=None, *args, **kwargs):
+        recorders.append(_Recorder(load(spec, False, *args, **{k: v for k, v in kwargs.items() if k != "interpret"})))
         return recorders[-1]
 
     module.load = recording_load

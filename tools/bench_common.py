@@ -31,6 +31,19 @@ def default_out(folder: str, dry_run: bool) -> str:
     return os.path.join("results", folder, "bench.json")
 
 
+def open_log(out_path: str):
+    """A log function for a benchmark whose JSON goes to `out_path`: each message printed and written
+    to the .log beside it (flushed, so a run cut off keeps what it said)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    log_file = open(os.path.splitext(out_path)[0] + ".log", "w")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        log_file.write(msg + "\n")
+        log_file.flush()
+    return log
+
+
 def time_graph_us(fn, rep: int = 60) -> float:
     """Median of CUDA-graph replays (launch overhead removed), in microseconds."""
     from triton.testing import do_bench_cudagraph

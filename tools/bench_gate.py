@@ -28,14 +28,13 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from megafuse.tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
+from megafuse.tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, open_log, require_cuda, time_cold_l2_us, time_eager_us, time_graph_us
 from megafuse.lowering import mega_gate as mg
 from megafuse.lowering.mega_gate import GateSpec, LaunchConfig
 from megafuse.model.moe import route, score
@@ -333,14 +332,7 @@ def main(argv=None) -> int:
     require_cuda(ap, args.dry_run)
     args.out = args.out or default_out("mega_gate", args.dry_run)
     tokens = [int(t) for t in args.tokens.split(",")]
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    log_path = os.path.splitext(args.out)[0] + ".log"
-    log_file = open(log_path, "w")
-
-    def log(msg):
-        print(msg, flush=True)
-        log_file.write(msg + "\n")
-        log_file.flush()
+    log = open_log(args.out)
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

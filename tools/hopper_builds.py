@@ -3,7 +3,8 @@
     python3 -m megafuse.tools.hopper_builds [--tokens 1,64,512,4096] [--json PATH]
 
 For each kernel the proxy model launches (the Mega-mHC seam forms it has, plus V4's fresh form,
-and the Mega-Gate at bf16 and fp32 inputs) and each token count, the launcher's CUDA launch
+the Mega-Gate at bf16 and fp32 inputs, MegaAttention at V4's widths with its combine where the
+launch splits the keys) and each token count, the launcher's CUDA launch
 configuration is compiled ahead of time (`lowering.offline.build_launch`: PTX and cubin with the
 ptxas in Triton's wheel) and the table gives registers per thread, stack / local bytes (spills),
 shared memory, warps, stages, the programs one SM holds at once (`Build.programs_per_sm`): what
@@ -26,16 +27,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import sys
 
 import torch
 from rich.table import Table
 
-from megafuse.lowering import mega_gate, mega_mhc, offline
+from megafuse.lowering import mega_attention, mega_gate, mega_mhc, offline
 
 from .output import console, environment, write_json
 
 D, N, EXPERTS, TOP_K = 5120, 4, 384, 6  # proxy / V4.1-Flash widths
+HEADS, HEAD_DIM, ROPE_DIM, ATTENDED = 64, 512, 64, 128 + 512  # V4.1-Flash attention: SWA window + top-k rows
 H200_SMS = 132
 TOKENS = (1, 64, 512, 4096)
 
@@ -102,6 +105,19 @@ def build_gate(input_dtype: str, T: int) -> offline.Build:
                                 spec, config=mega_gate.choose_config(spec, T, device="cuda"))
 
 
+ATTENTION_SPEC = mega_attention.AttentionSpec(heads=HEADS, head_dim=HEAD_DIM, rope_dim=ROPE_DIM, scale=HEAD_DIM ** -0.5,
+                                              key_dtype="bfloat16", out_dtype="bfloat16", mxfp8=False)
+
+
+def build_attention(T: int) -> list[offline.Build]:
+    """MegaAttention's launches for T query rows (bf16, the pass's spec at V4 widths): the kernel,
+    and its combine where the launch splits the keys."""
+    spec, bf16 = ATTENTION_SPEC, dict(dtype=torch.bfloat16)
+    inputs = (torch.zeros(T, HEADS, HEAD_DIM, **bf16), torch.zeros(T, ATTENDED, HEAD_DIM, **bf16),
+              torch.zeros(T, ATTENDED, dtype=torch.bool), torch.zeros(HEADS), torch.zeros(T, ROPE_DIM // 2))
+    return offline.build_launch(mega_attention, mega_attention.mega_attention, *inputs, spec)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts (default %(default)s)")
@@ -113,19 +129,22 @@ def main(argv=None) -> int:
         parser.error(f"--tokens must be comma-separated integers, got {args.tokens!r}")
     if any(t < 1 for t in tokens):
         parser.error("--tokens must be >= 1")
-    jobs = [("mega_mhc", form, lambda T, f=form: build_mhc(f, T)) for form in MHC_FORMS]
-    jobs += [("mega_gate", f"{dtype} input", lambda T, d=dtype: build_gate(d, T)) for dtype in GATE_INPUTS]
+    jobs = [("mega_mhc", form, lambda T, f=form: [build_mhc(f, T)]) for form in MHC_FORMS]
+    jobs += [("mega_gate", f"{dtype} input", lambda T, d=dtype: [build_gate(d, T)]) for dtype in GATE_INPUTS]
+    jobs += [("mega_attention", f"bf16, {ATTENDED} keys", build_attention)]
     rows = []
     with console.status("building for sm_90 ...") if console.is_terminal else contextlib.nullcontext():
         for op, form, build in jobs:
             for T in tokens:
-                b = build(T)
-                loops = b.loops()
-                rows.append({"op": op, "form": form, "tokens": T, "grid": b.grid[0], "registers": b.registers,
-                             "stack_bytes": b.stack_bytes, "shared_bytes": b.shared_bytes,
-                             "num_warps": b.num_warps, "num_stages": b.num_stages,
-                             "programs_per_sm": b.programs_per_sm(),
-                             "largest_loop_instructions": loops[0].instructions if loops else None, "target": b.target})
+                for b in build(T):
+                    loops = b.loops()
+                    rows.append({"op": op, "form": form if b.name != mega_attention.COMBINE_NAME else f"{form}: combine",
+                                 "tokens": T, "grid": math.prod(b.grid), "registers": b.registers,
+                                 "stack_bytes": b.stack_bytes, "shared_bytes": b.shared_bytes,
+                                 "num_warps": b.num_warps, "num_stages": b.num_stages,
+                                 "programs_per_sm": b.programs_per_sm(),
+                                 "largest_loop_instructions": loops[0].instructions if loops else None,
+                                 "target": b.target})
     table = Table(title=f"fused kernels built for {rows[0]['target']} (no GPU), CUDA launch configurations")
     for col in ("op", "form", "T", "programs", "regs", "stack/local B", "smem B", "warps", "stages", "per SM",
                 "loop instr"):

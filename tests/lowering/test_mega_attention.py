@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from megafuse.lowering import kernel_cache
-from megafuse.lowering.mega_attention import AttentionSpec, generate_source, mega_attention, reference, unsupported_reason
+from megafuse.lowering.mega_attention import (AttentionSpec, choose_config, generate_source, mega_attention, reference,
+                                              unsupported_reason)
 from megafuse.model import quant
 from tests.marks import slow_beyond
 
@@ -80,6 +81,36 @@ def test_bf16_epilogue_rounds_like_torch_and_the_output_matches_the_chain(R, H, 
         gap = (got.float() - want.float()).abs()[differs]
         assert bool((gap <= step * want.float().abs()[differs].clamp(min=2.0 ** -9) * 1.01).all())
     assert int(differs.sum()) <= max(2, differs.numel() // 100)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_keys_merge_to_the_unsplit_result(dtype):
+    """300 keys (5 tiles of 64 at head_dim 32) split 1, 2 and 5 ways: the partial results merge to
+    the chain's; row 0 has no valid key, row 1 one key in the last split, row 2 none in the first."""
+    R, H, Dh, rd, J = 3, 4, 32, 8, 300
+    q, keys, valid, sink, angles = make_inputs(R, H, Dh, rd, J, dtype, seed=7)
+    valid[2, :128] = False
+    spec = spec_for(H, Dh, rd, dtype, out_dtype="float32")
+    want = reference(q, keys, valid, sink, angles, spec)
+    assert choose_config(spec, R, J).splits == 5  # few rows: every tile its own program
+    for splits in (1, 2, 5):
+        assert choose_config(spec, R, J, splits).splits == splits
+        got = mega_attention(q, keys, valid, sink, angles, spec, splits=splits)
+        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), splits
+        assert torch.equal(got[0], torch.zeros_like(got[0]))
+
+
+def test_the_launch_fits_hopper_at_v4_widths():
+    """64 heads x 512 (bf16): 16 heads a program (a 64-register accumulator), 32-key tiles of 32 KB;
+    decode rows split the keys until rows x head blocks x splits fills the GPU twice over."""
+    spec = AttentionSpec(heads=64, head_dim=512, rope_dim=64, scale=512 ** -0.5, key_dtype="bfloat16",
+                         out_dtype="bfloat16", mxfp8=True)
+    one = choose_config(spec, rows=1, n_keys=640)
+    assert (one.block_h, one.block_j, one.splits, one.keys_per_split) == (16, 32, 10, 64)
+    assert choose_config(spec, rows=64, n_keys=640).splits == 2
+    assert choose_config(spec, rows=4096, n_keys=640).splits == 1
+    with pytest.raises(ValueError, match="splits must be >= 1"):
+        choose_config(spec, 1, 640, splits=0)
 
 
 def test_mxfp8_rounds_ties_to_even_subnormals_and_saturation_like_the_model():

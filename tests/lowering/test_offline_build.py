@@ -18,7 +18,7 @@ import pytest
 import torch
 import triton
 
-from megafuse.lowering import mega_mhc, occupancy, offline
+from megafuse.lowering import mega_attention, mega_mhc, occupancy, offline
 from tests.marks import slow_beyond
 from megafuse.tools import hopper_builds
 
@@ -66,6 +66,19 @@ def test_mega_gate_builds_for_hopper(input_dtype, T):
     _check(build)
     assert build.constexprs["BLOCK_T"] == hopper_builds.mega_gate.choose_config(
         hopper_builds.gate_spec(input_dtype), T, device="cuda").block_t
+
+
+@pytest.mark.parametrize("T", slow_beyond([1, 4096]))
+def test_mega_attention_builds_for_hopper(T):
+    """V4 widths (64 heads x 512, 640 keys): decode rows split the keys (kernel + combine), a
+    prefill chunk does not; every build within Hopper's limits, the tiles in registers."""
+    builds = hopper_builds.build_attention(T)
+    config = mega_attention.choose_config(hopper_builds.ATTENTION_SPEC, T, hopper_builds.ATTENDED)
+    assert [b.name for b in builds] == [mega_attention.KERNEL_NAME] + [mega_attention.COMBINE_NAME] * (config.splits > 1)
+    assert builds[0].grid == (T, hopper_builds.HEADS // config.block_h, config.splits)
+    for build in builds:
+        _check(build)
+        assert build.stack_bytes == 0
 
 
 def test_the_build_is_specialised_like_a_launch():
@@ -351,7 +364,7 @@ def test_hopper_builds_tool_writes_one_row_per_kernel_and_token_count(tmp_path, 
     assert hopper_builds.main(["--tokens", "64", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["schema"] == "megafuse.hopper_builds/1"
-    kernels = len(hopper_builds.MHC_FORMS) + len(hopper_builds.GATE_INPUTS)
+    kernels = len(hopper_builds.MHC_FORMS) + len(hopper_builds.GATE_INPUTS) + 2  # attention splits at T=64: + combine
     assert len(result["rows"]) == kernels and {r["tokens"] for r in result["rows"]} == {64}
     delayed = next(r for r in result["rows"] if r["form"] == "delayed")
     build = hopper_builds.build_mhc("delayed", 64)
