@@ -251,6 +251,8 @@ def dims(node) -> list:
 def moves(node) -> bool:
     if is_op(node, aten.expand):
         return dims(node) == dims(node.args[0])
+    if node.target is torch.ops.aten.view.dtype:  # reinterprets the bits: a new value, not a move
+        return False
     return is_op(node, *RESHAPES, *TRANSPOSES)
 
 
