@@ -37,6 +37,13 @@ def _inputs(B, T, dtype, seed, heads=HEADS, n_keys=KEYS, dead_row=True):
     return q, keys, valid, angles
 
 
+def _run_fused(module, args):
+    """(the module through the attention pass, its output on args)."""
+    fused = fuse(module, ["mega_attention"], fullgraph=True)
+    with torch.no_grad():
+        return fused, fused(*args)
+
+
 def _rel(a, b) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
@@ -45,9 +52,8 @@ def _rel(a, b) -> float:
 def test_the_model_chain_fuses_once_and_equals_it(dtype, tol):
     module = AttentionChain(HEADS, HEAD_DIM, out_dtype=dtype)
     args = _inputs(2, 3, dtype, seed=1)
-    fused = fuse(module, ["mega_attention"], fullgraph=True)
-    with torch.no_grad():
-        out, want = fused(*args), module(*args)
+    fused, out = _run_fused(module, args)
+    want = module(*args)
     assert fused.report.counts() == {"mega_attention": 1}
     graph = fused.post_grad_graphs[0]
     assert "megafuse.mega_attention" in graph
@@ -65,9 +71,7 @@ def test_one_row_per_step_fuses():
     # a decode step: one query per request, rows [R, 1]
     module = AttentionChain(HEADS, HEAD_DIM)
     args = _inputs(5, 1, torch.float32, seed=2)
-    fused = fuse(module, ["mega_attention"], fullgraph=True)
-    with torch.no_grad():
-        out = fused(*args)
+    fused, out = _run_fused(module, args)
     assert fused.report.counts() == {"mega_attention": 1}
     assert _rel(out, module(*args)) <= 1e-5
 
@@ -77,9 +81,7 @@ def test_angles_shared_by_the_batch_fuse():
     module = AttentionChain(HEADS, HEAD_DIM)
     q, keys, valid, angles = _inputs(3, 4, torch.float32, seed=5)
     args = (q, keys, valid, angles[:1])
-    fused = fuse(module, ["mega_attention"], fullgraph=True)
-    with torch.no_grad():
-        out = fused(*args)
+    fused, out = _run_fused(module, args)
     assert fused.report.counts() == {"mega_attention": 1}
     assert "aten.cos" not in fused.post_grad_graphs[0]
     assert _rel(out, module(*args)) <= 1e-5
@@ -111,9 +113,8 @@ def test_the_mxfp8_rounding_after_the_cast_fuses_into_the_epilogue(dtype):
     # quant="ref": the output, flattened into WO-A's groups, through MXFP8 blocks of 32
     module = AttentionChainMxfp8(HEADS, HEAD_DIM, out_dtype=dtype)
     args = _inputs(2, 3, dtype, seed=6)
-    fused = fuse(module, ["mega_attention"], fullgraph=True)
-    with torch.no_grad():
-        out, want = fused(*args), module(*args)
+    fused, out = _run_fused(module, args)
+    want = module(*args)
     assert fused.report.counts() == {"mega_attention": 1}
     assert fused.report.matches("mega_attention")[0].spec["mxfp8"] is True
     graph = fused.post_grad_graphs[0]
@@ -131,9 +132,7 @@ def test_the_mxfp8_rounding_after_the_cast_fuses_into_the_epilogue(dtype):
 def test_an_mxfp8_rounding_with_another_scale_rule_stays_unfused():
     module = FloorScaleMxfp8(HEADS, HEAD_DIM)
     args = _inputs(2, 3, torch.float32, seed=6)
-    fused = fuse(module, ["mega_attention"], fullgraph=True)
-    with torch.no_grad():
-        out = fused(*args)
+    fused, out = _run_fused(module, args)
     assert fused.report.counts() == {"mega_attention": 0}
     reasons = [r.reason for r in fused.report.rejections("mega_attention")]
     assert reasons == ["the MXFP8 scale is not 2^ceil(log2(max(amax, 1e-4) / 448)) of each block's amax"]
@@ -150,9 +149,7 @@ def test_an_mxfp8_rounding_with_another_scale_rule_stays_unfused():
 ])
 def test_near_misses_are_not_matched_and_say_why(module, reason):
     args = _inputs(2, 2, torch.float32, seed=3)
-    fused = fuse(module, ["mega_attention"], fullgraph=True)
-    with torch.no_grad():
-        out = fused(*args)
+    fused, out = _run_fused(module, args)
     assert fused.report.counts() == {"mega_attention": 0}
     reasons = [r.reason for r in fused.report.rejections("mega_attention")]
     assert len(reasons) == 1 and reason in reasons[0], reasons
