@@ -351,14 +351,18 @@ TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM: fewer rows x head blocks 
 MAX_SPLITS = 16  # the combine reads splits x heads x head_dim fp32 per row
 
 
-def choose_config(spec: AttentionSpec, rows: int, n_keys: int, splits: int | None = None) -> LaunchConfig:
+def choose_config(spec: AttentionSpec, rows: int, n_keys: int, splits: int | None = None,
+                  device: str = "cuda") -> LaunchConfig:
     """The launch for `rows` query rows of `n_keys` keys each; `splits` forces the key split (tests,
-    sweeps), else it grows until rows x head blocks x splits reaches TARGET_PROGRAMS."""
+    sweeps), else on a GPU it grows until rows x head blocks x splits reaches TARGET_PROGRAMS (the
+    interpreter runs programs one after the other: a split only adds programs there)."""
     block_h = max(MIN_DOT, min(_next_pow2(spec.heads), max(MIN_DOT, ACC_ELEMENTS // spec.head_dim)))
     element = DTYPES[spec.key_dtype].itemsize
     block_j = max(MIN_DOT, min(64, KEY_TILE_BYTES // (spec.head_dim * element)))
     tiles = max(1, -(-n_keys // block_j))
-    if splits is None:
+    if splits is None and device != "cuda":
+        splits = 1
+    elif splits is None:
         programs = rows * -(-spec.heads // block_h)
         splits = min(MAX_SPLITS, tiles, max(1, -(-TARGET_PROGRAMS // max(programs, 1))))
     elif splits < 1:
@@ -378,7 +382,7 @@ def mega_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sin
     out = empty((R, spec.heads, spec.head_dim), DTYPES[spec.out_dtype], q.device)
     if R == 0:
         return out
-    config = choose_config(spec, R, J, splits)
+    config = choose_config(spec, R, J, splits, q.device.type)
     cos, sin = angles.cos(), angles.sin()
     q, keys, valid = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, valid))
     sink = sink.contiguous()
