@@ -354,11 +354,14 @@ MAX_SPLITS = 16  # the combine reads splits x heads x head_dim fp32 per row
 def choose_config(spec: AttentionSpec, rows: int, n_keys: int, splits: int | None = None,
                   device: str = "cuda") -> LaunchConfig:
     """The launch for `rows` query rows of `n_keys` keys each; `splits` forces the key split (tests,
-    sweeps), else on a GPU it grows until rows x head blocks x splits reaches TARGET_PROGRAMS (the
-    interpreter runs programs one after the other: a split only adds programs there)."""
-    block_h = max(MIN_DOT, min(_next_pow2(spec.heads), max(MIN_DOT, ACC_ELEMENTS // spec.head_dim)))
-    element = DTYPES[spec.key_dtype].itemsize
-    block_j = max(MIN_DOT, min(64, KEY_TILE_BYTES // (spec.head_dim * element)))
+    sweeps), else on a GPU it grows until rows x head blocks x splits reaches TARGET_PROGRAMS. The
+    interpreter (device "cpu") runs programs one after the other and reduces element by element:
+    there no split, and tiles no larger than the data."""
+    if device == "cuda":
+        block_h = max(MIN_DOT, min(_next_pow2(spec.heads), max(MIN_DOT, ACC_ELEMENTS // spec.head_dim)))
+        block_j = max(MIN_DOT, min(64, KEY_TILE_BYTES // (spec.head_dim * DTYPES[spec.key_dtype].itemsize)))
+    else:  # the interpreter reduces element by element in Python: no padding to the MMA's minimum
+        block_h, block_j = min(_next_pow2(spec.heads), 64), MIN_DOT
     tiles = max(1, -(-n_keys // block_j))
     if splits is None and device != "cuda":
         splits = 1
