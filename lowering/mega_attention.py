@@ -375,17 +375,17 @@ def choose_config(spec: AttentionSpec, rows: int, n_keys: int, splits: int | Non
 
 
 def mega_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                   angles: torch.Tensor, spec: AttentionSpec, splits: int | None = None) -> torch.Tensor:
+                   angles: torch.Tensor, spec: AttentionSpec, config: LaunchConfig | None = None) -> torch.Tensor:
     """out [R, H, head_dim] in out_dtype (module doc) from q [R, H, head_dim], keys [R, J, head_dim],
     valid [R, J] bool, sink [H] and the rows' RoPE angles [R, rope_dim / 2] fp32: one launch, or two
-    where the keys are split over programs (`choose_config`; `splits` forces it), after the
-    angles' cos and sin, taken with torch as `apply_rope` takes them."""
+    where the keys are split over programs (`config`, by default `choose_config` for the tensors'
+    device), after the angles' cos and sin, taken with torch as `apply_rope` takes them."""
     validate(q, keys, valid, sink, angles, spec)
     R, J = keys.shape[:2]
     out = empty((R, spec.heads, spec.head_dim), DTYPES[spec.out_dtype], q.device)
     if R == 0:
         return out
-    config = choose_config(spec, R, J, splits, q.device.type)
+    config = config or choose_config(spec, R, J, device=q.device.type)
     cos, sin = angles.cos(), angles.sin()
     q, keys, valid = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, valid))
     sink = sink.contiguous()

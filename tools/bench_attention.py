@@ -74,8 +74,8 @@ def attention_flops(spec: ma.AttentionSpec, T: int, n_keys: int) -> int:
     return 4 * T * spec.heads * n_keys * spec.head_dim
 
 
-def check(spec: ma.AttentionSpec, inputs: tuple, splits: int | None = None) -> dict:
-    got = ma.mega_attention(*inputs, spec, splits=splits).float()
+def check(spec: ma.AttentionSpec, inputs: tuple, config: ma.LaunchConfig | None = None) -> dict:
+    got = ma.mega_attention(*inputs, spec, config).float()
     want = ma.reference(*inputs, spec).float()
     rel = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
     first_row_zero = bool((got[0] == 0).all()) or inputs[2].shape[0] == 1  # make_inputs: row 0 of T > 1
@@ -89,7 +89,8 @@ def correctness(spec: ma.AttentionSpec, n_keys: int, tokens, device, log) -> lis
         inputs = make_inputs(spec, T, n_keys, device, seed=T)
         config = ma.choose_config(spec, T, n_keys)
         for splits in sorted({1, config.splits, min(3, config.splits + 2)}):
-            row = {"T": T, "splits": splits, **check(spec, inputs, splits)}
+            forced = ma.choose_config(spec, T, n_keys, splits, device=inputs[0].device.type)
+            row = {"T": T, "splits": splits, **check(spec, inputs, forced)}
             log(f"  T={T} splits={splits}: rel err {row['rel_err']:.2e} {'ok' if row['ok'] else 'BAD'}")
             rows.append(row)
     return rows
@@ -124,9 +125,9 @@ def sweep_T(T: int, splits: tuple[int, ...], device, log) -> list:
     rows = []
     for s in splits:
         config = ma.choose_config(V4, T, KEYS, splits=s)
-        us = time_graph_us(lambda: ma.mega_attention(*inputs, V4, splits=s))
+        us = time_graph_us(lambda: ma.mega_attention(*inputs, V4, config))
         rows.append({"splits": config.splits, "keys_per_split": config.keys_per_split, "graph_us": us,
-                     "check": check(V4, inputs, s)})
+                     "check": check(V4, inputs, config)})
         log(f"  T={T} splits={config.splits}: {us:.2f} us")
     return rows
 

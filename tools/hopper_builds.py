@@ -115,8 +115,8 @@ def build_attention(T: int) -> list[offline.Build]:
     spec, bf16 = ATTENTION_SPEC, dict(dtype=torch.bfloat16)
     inputs = (torch.zeros(T, HEADS, HEAD_DIM, **bf16), torch.zeros(T, ATTENDED, HEAD_DIM, **bf16),
               torch.zeros(T, ATTENDED, dtype=torch.bool), torch.zeros(HEADS), torch.zeros(T, ROPE_DIM // 2))
-    splits = mega_attention.choose_config(spec, T, ATTENDED, device="cuda").splits  # the GPU's, not the CPU's
-    return offline.build_launch(mega_attention, mega_attention.mega_attention, *inputs, spec, splits=splits)
+    config = mega_attention.choose_config(spec, T, ATTENDED, device="cuda")  # the GPU's, not the CPU's
+    return offline.build_launch(mega_attention, mega_attention.mega_attention, *inputs, spec, config)
 
 
 def main(argv=None) -> int:
