@@ -292,6 +292,11 @@ def kernel_name(spec: AttentionSpec) -> str:
     return f"mega_attention_{spec.key()}"
 
 
+def source_path(spec: AttentionSpec):
+    """Write (if needed) and return the cached source file of `spec`."""
+    return kernel_cache.write_source(kernel_name(spec), generate_source(spec))
+
+
 def load(spec: AttentionSpec, interpret: bool, attr: str = KERNEL_NAME):
     """The jitted kernel `attr` of `spec`'s module for one mode (the source goes to the cache on
     first use): KERNEL_NAME, or COMBINE_NAME, the merge of a split launch."""

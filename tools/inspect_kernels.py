@@ -225,12 +225,18 @@ def observe_launches(ops: list[str]):
             setattr(module, attr, original)
 
 
+# The sizes each op's `choose_config` takes after the spec, from a launch's tensors: the tokens (the
+# launchers take the token-major tensor first), and for attention the keys per row too.
+_LAUNCH_SIZES = {"megafuse::mega_attention": lambda args: (args[0].shape[0], args[1].shape[1])}
+
+
 def _hopper_build(op: str, launcher, args: tuple, kwargs: dict) -> dict:
     """The kernel of this launch as an H200 would build it (`lowering.offline`): the GPU's launch
-    configuration for the same tokens (launchers take the token-major tensor first)."""
+    configuration for the same sizes."""
     module = common.lowering_module(op)
     spec = next(a for a in (*args, *kwargs.values()) if dataclasses.is_dataclass(a) and hasattr(a, "key"))
-    config = module.choose_config(spec, args[0].shape[0], device="cuda")
+    sizes = _LAUNCH_SIZES.get(op, lambda args: (args[0].shape[0],))(args)
+    config = module.choose_config(spec, *sizes, device="cuda")
     try:
         build = hopper_builds.h200_build(module, launcher, *args, **{**kwargs, "config": config})
     except Exception as e:  # e.g. a Triton without its bundled ptxas: say so; the rest of inspect stands

@@ -23,12 +23,11 @@ from torch._inductor.fx_passes.post_grad import view_to_reshape
 from torch._inductor.output_code import OutputCode
 from torch._inductor.virtualized import V
 
-from megafuse.passes import FusedModule, PassManager
+from megafuse.passes import FusedModule, PassManager, registry
 
-KERNEL_OPS = {
-    torch.ops.megafuse.mega_gate.default: torch.ops.megafuse.mega_gate_kernel.default,
-    torch.ops.megafuse.mega_mhc.default: torch.ops.megafuse.mega_mhc_kernel.default,
-}
+# every pass's canonical op -> its kernel op (`passes.ops` registers `<op>_kernel` beside each)
+_OPS = [registry.get(name).op.split("::")[-1] for name in registry.available()]
+KERNEL_OPS = {getattr(torch.ops.megafuse, op).default: getattr(torch.ops.megafuse, f"{op}_kernel").default for op in _OPS}
 
 
 @dataclasses.dataclass
