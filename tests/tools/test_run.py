@@ -37,11 +37,11 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_c
     decoder = cached_compiles.report(DecoderRegion(tiny), passes.available())
     assert r["counts"] == r["report"]["counts"]
     assert r["counts"] == {name: encoder.counts()[name] + decoder.counts()[name] for name in r["counts"]}
-    # per bucket: layers 0..6 (encoder) and 7..11 (decoder) each have 2 seams per layer and one gate;
-    # the decoder region ends in the head's collapse, and the encoder region hands its last pre-mix
-    # to the decoder un-collapsed
-    assert encoder.counts() == {"mega_mhc": 2 * 14, "mega_gate": 2 * 7}
-    assert decoder.counts() == {"mega_mhc": 2 * 11, "mega_gate": 2 * 5}
+    # per bucket: layers 0..6 (encoder) and 7..11 (decoder) each have 2 seams, one gate and one
+    # attention per layer; the decoder region ends in the head's collapse, and the encoder region
+    # hands its last pre-mix to the decoder un-collapsed
+    assert encoder.counts() == {"mega_mhc": 2 * 14, "mega_gate": 2 * 7, "mega_attention": 2 * 7}
+    assert decoder.counts() == {"mega_mhc": 2 * 11, "mega_gate": 2 * 5, "mega_attention": 2 * 5}
     for name, count in r["counts"].items():
         assert len(r["report"]["per_pass"][name]["matches"]) == count
 
