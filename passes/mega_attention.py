@@ -9,21 +9,26 @@ Pattern (post-grad ATen graph, anchored at the P V `aten.bmm`), each query row w
     o   = p @ keys                    the values are the keys (K = V)
     o   = cat(o[..., :-rd], RoPE^-1(o[..., -rd:]))   pairs (2i, 2i + 1) rotated by -angle_i, in fp32
     out = o.to(dtype)                 optional
+    out = MXFP8(out)                  optional (quant="ref"): blocks of 32 through e4m3 under a ue8m0 scale
 
 Views, permutes and converts sit between the pieces (the einsums decompose into bmm); the pass
 follows them and checks, through `graph.source_dims`, that each operand reaches its bmm with its
 dims in the order the maths needs (rows as the batch, heads as M, keys as N, Dh contracted).
 
-Replacement: `out = megafuse::mega_attention(q, keys, valid, sink, angles, scale, out_dtype, mxfp8=False)`
+Replacement: `out = megafuse::mega_attention(q, keys, valid, sink, angles, scale, out_dtype, mxfp8)`
 on the tensors the chain starts from (one leading shape of rows for all of them), whose reference
 is `lowering.mega_attention.reference` (the model's own functions); Inductor lowers it to the kernel
-`lowering.mega_attention` generates. Under quant="ref" the MXFP8 rounding that follows stays
-unfused (the kernel has the epilogue; see docs/mega_attention.md), as do the q RoPE, the row
-gathers and the byte decodes before the chain.
+`lowering.mega_attention` generates; `mxfp8` is True where quant="ref"'s MXFP8 rounding follows
+(`model.quant.fake_quant_mxfp8` on the output in WO-A's group layout: its blocks of 32 lie within a
+head). The quantiser's scale rule is checked by running the graph's own scale ops on probe values
+(`_computes`), so a rule that differs anywhere (another floor, rounding the exponent down) stays
+unfused with the reason. The q RoPE, the row gathers and the byte decodes before the chain stay
+unfused.
 
 Not this pattern (near misses, rejected with the reason): a softmax without the sink (its max or its
 denominator), a softmax over another dim than the keys, values other than the keys, RoPE rotating
-other dims than the tail, intermediates used outside the chain.
+other dims than the tail, an MXFP8 rounding with another scale rule, intermediates used outside the
+chain.
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ import math
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import ops
 from .base import Candidate, FusionPass, NoMatch
-from .graph import aten, call, dims, dtype, is_convert, is_last_dim, is_op, keeps_leading, moves, per_row, scalar, \
+from .graph import FLOATS, aten, call, dims, dtype, is_convert, is_last_dim, is_op, keeps_leading, moves, per_row, scalar, \
     sole_user, source_groups, under_slices, unpadded, val, walk
 from .registry import register
 
@@ -83,6 +89,120 @@ def _cut(path: list[fx.Node], rows: list, tail: list, what: str, broadcast: bool
             if fits(dims(path[i])):
                 return path[:i + 1]
     raise NoMatch(f"{what} is never shaped {rows + tail} (the output's rows) on its way to the attention")
+
+
+# amax values the MXFP8 scale rule is checked on: zero, around the floor, powers of two and their
+# neighbours, e4m3's range, huge and infinite values, and random ones
+_AMAX_PROBES = torch.cat((torch.tensor([0.0, 1e-6, 9.99e-5, 1e-4, 1.0001e-4, 0.5, 1.0, 1.5, 2.0, 3.0, 447.9, 448.0,
+                                        448.1, 896.0, 1e4, 2.0 ** 100, 3e38, float("inf")]),
+                          torch.rand(64, generator=torch.Generator().manual_seed(0)) * 1e3))[:, None]
+
+
+def _computes(start: fx.Node, end: fx.Node, reference, probes: torch.Tensor) -> bool:
+    """Whether `end` is a function of `start` alone (constants aside) through call_function nodes,
+    and computes `reference` on `probes` exactly: the graph's own ops run on them."""
+    needed = set(_between(start, end))
+    if any(node.op != "call_function" for node in needed):
+        return False
+    graph = fx.Graph()
+    env = {start: graph.placeholder("x")}
+    for node in start.graph.nodes:  # in graph order: inputs before users
+        if node in needed:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(env[end])
+    with unset_fake_temporarily():  # the passes run under the compile's fake mode; the probes are real
+        try:
+            got = fx.GraphModule({}, graph)(probes)
+        except Exception:  # an op that does not run eagerly on the probes: not the rule
+            return False
+        return isinstance(got, torch.Tensor) and torch.equal(got, reference(probes))
+
+
+def _between(start: fx.Node, end: fx.Node) -> list[fx.Node]:
+    """`end` and the nodes it is computed from, down to `start` (excluded) or to the graph's inputs."""
+    found, stack = {}, [end]
+    while stack:
+        node = stack.pop()
+        if node is not start and node not in found:
+            found[node] = None
+            if node.op == "call_function":
+                stack.extend(node.all_input_nodes)
+    return list(found)
+
+
+def _mxfp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The MXFP8 scale rule the kernel's epilogue applies: 2^ceil(log2(max(amax, floor) / 448))."""
+    from megafuse.model import quant
+    return quant._ue8m0_scale(amax.clamp(min=quant._FP8_AMAX_FLOOR) / quant.E4M3_MAX)
+
+
+def _clamped(node: fx.Node, bound: float) -> fx.Node | None:
+    """x of clamp(x, -bound, bound) (one clamp, or clamp_min and clamp_max in either order), else None."""
+    if is_op(node, aten.clamp) and tuple(node.args[1:3]) == (-bound, bound):
+        return node.args[0]
+    limits = {aten.clamp_min: -bound, aten.clamp_max: bound}
+    seen = []
+    while len(seen) < 2 and any(is_op(node, op) for op in limits) and node.target.overloadpacket not in seen:
+        op = node.target.overloadpacket
+        if node.args[1] != limits[op]:
+            return None
+        seen.append(op)
+        node = node.args[0]
+    return node if len(seen) == 2 else None
+
+
+def _mxfp8_tail(final: fx.Node, head_dim: int) -> tuple[fx.Node, list[fx.Node], fx.Node] | None:
+    """(the tail's last node, its nodes, the reshape back to the output's shape) if `final`
+    [rows.., H, Dh] goes through quant="ref"'s MXFP8 rounding (model.quant.fake_quant_mxfp8, blocks of 32 along the
+    flattened heads x head_dim) back to its dtype; None if it does not start one. NoMatch if it
+    starts one that rounds otherwise."""
+    path = [final]
+    while len(path[-1].users) == 1:
+        user = next(iter(path[-1].users))
+        if not (is_op(user, aten.view, aten.reshape, aten._unsafe_view) and moves(user)
+                or is_convert(user) and dtype(user) in FLOATS):
+            break
+        path.append(user)
+    blocks = path[-1]
+    users = list(blocks.users)
+    absolute = next((u for u in users if is_op(u, aten.abs)), None)
+    if len(users) != 2 or absolute is None or dims(blocks)[-1:] != [32] or len(absolute.users) != 1:
+        return None
+    amax = sole_user(absolute)
+    if not is_op(amax, aten.amax) or list(amax.args[1]) not in ([-1], [len(dims(blocks)) - 1]):
+        return None
+    divided = next(u for u in users if u is not absolute)
+    if not is_op(divided, aten.div) or divided.args[0] is not blocks:
+        raise NoMatch("the output's blocks of 32 are not divided by their scale")
+    if head_dim % 32 or dtype(blocks) != torch.float32:
+        raise NoMatch(f"MXFP8 blocks of 32 over head_dim {head_dim} in {dtype(blocks)}: the epilogue rounds "
+                      "fp32 blocks within a head")
+    scale = divided.args[1]
+    if not _computes(amax, scale, _mxfp8_scale, _AMAX_PROBES):
+        raise NoMatch("the MXFP8 scale is not 2^ceil(log2(max(amax, 1e-4) / 448)) of each block's amax")
+    clamp = sole_user(divided)
+    if clamp is None:
+        raise NoMatch("the scaled blocks are used more than once")
+    top = clamp
+    while len(top.users) == 1 and is_op(next(iter(top.users)), aten.clamp, aten.clamp_min, aten.clamp_max):
+        top = next(iter(top.users))
+    fp8 = sole_user(top)
+    if _clamped(top, 448.0) is not divided or not (is_convert(fp8) and dtype(fp8) == torch.float8_e4m3fn):
+        raise NoMatch("the scaled blocks are not clamped to +-448 and rounded to e4m3")
+    widened = sole_user(fp8)
+    product = sole_user(widened) if widened is not None and is_convert(widened) else None
+    if not is_op(product, aten.mul) or widened not in product.args or walk(_other(product, widened))[-1] is not scale:
+        raise NoMatch("the e4m3 values are not multiplied back by their scale")
+    reshape = sole_user(product)
+    if not (is_op(reshape, aten.view, aten.reshape, aten._unsafe_view) and moves(reshape)):
+        raise NoMatch("the rounded blocks are not reshaped back")
+    end = sole_user(reshape) if dtype(reshape) != dtype(final) else reshape
+    if end is None or dtype(end) != dtype(final) or end is not reshape and not is_convert(end):
+        raise NoMatch(f"the rounded output does not return to {dtype(final)}")
+    clamps = [clamp] + ([top] if top is not clamp else [])
+    nodes = [*path[1:], absolute, amax, *_between(amax, scale), divided, *clamps, fp8, widened,
+             *walk(_other(product, widened))[:-1], product, reshape] + ([end] if end is not reshape else [])
+    return end, nodes, reshape
 
 
 def _gemm(out: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
@@ -269,13 +389,16 @@ class MegaAttentionPass(FusionPass):
         final = joined
         if len(final.users) == 1 and is_convert(next(iter(final.users))):
             final = next(iter(final.users))
+        cast, tail = final, _mxfp8_tail(final, head_dim)
+        if tail is not None:
+            final, tail_nodes, _ = tail
 
         # 4. q and the keys in one dtype; everything but the output private to the chain.
         if dtype(q) != dtype(keys):
             raise NoMatch(f"q is {dtype(q)} and the keys {dtype(keys)}: the kernel reads one dtype")
         chain = [*pv_nodes, *qk[2], *p_path[:-1], div, exp_s, sub, denom, total, sink_exp, sink_exp.args[0], m, masked,
                  masked.args[0], scaled, *s_path, *q_path[:-1], *k_path[:-1], *v_path[:-1], *o_path[1:], *rope_nodes,
-                 final]
+                 cast, *(tail_nodes if tail else ()), final]
         chain += [n for x in (amax, total) for n in per_row(x, masked if x is amax else exp_s, ("amax", "max", "sum"))]
         inside = set(chain)
         nodes = [n for n in gemm.graph.nodes if n in inside]
@@ -283,12 +406,11 @@ class MegaAttentionPass(FusionPass):
             if node is not final and not all(user in inside for user in node.users):
                 raise NoMatch(f"intermediate {node.name} is also used outside the attention chain")
         spec = ops.attention_spec(val(q), val(angles), float(scalar(scaled.args[1])),
-                                  str(dtype(final)).removeprefix("torch."), False)
+                                  str(dtype(cast)).removeprefix("torch."), tail is not None)
         return Candidate(gemm, nodes, spec, inputs={"q": q, "keys": keys, "valid": valid,
                                                   "sink": sink_path[-1], "angles": angles},
-                         outputs={"out": final}, insert_before=final,
-                         left_unfused=["the q RoPE, the row gathers and byte decodes before the scores, and "
-                                       "quant='ref''s MXFP8 rounding after the output"])
+                         outputs={"out": final, "shape_of": tail[2] if tail else None}, insert_before=cast,
+                         left_unfused=["the q RoPE, the row gathers and byte decodes before the scores"])
 
     def check(self, candidate: Candidate) -> str | None:
         i = candidate.inputs
@@ -307,6 +429,10 @@ class MegaAttentionPass(FusionPass):
             fused = call(graph, torch.ops.megafuse.mega_attention.default, args,
                          ops.attention_fake(*(val(a) for a in args)))
         fused.meta["stack_trace"] = candidate.anchor.meta.get("stack_trace")
+        shape_of = candidate.outputs["shape_of"]
+        if shape_of is not None:  # the MXFP8 tail's shape: its sizes are defined before its last node
+            with graph.inserting_before(out):
+                fused = call(graph, torch.ops.aten.reshape.default, (fused, shape_of.args[1]), val(out))
         out.replace_all_uses_with(fused)
         return fused
 

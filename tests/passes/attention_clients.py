@@ -4,6 +4,7 @@ change away from it. Inputs are rows [B, T] of queries, each with its own key ro
 import torch
 from torch import nn
 
+from megafuse.model import quant
 from megafuse.model.attention import sparse_attention_with_sink
 from megafuse.model.rope import apply_rope
 
@@ -89,3 +90,27 @@ class ForwardRope(AttentionChain):
     def derotate(self, o, angles):
         return apply_rope(o, angles[:, :, None, :])
 
+
+class AttentionChainMxfp8(AttentionChain):
+    """The chain under quant="ref": the cast output through MXFP8 in WO-A's group layout."""
+
+    groups = 2
+
+    def forward(self, q, keys, valid, angles):
+        o = super().forward(q, keys, valid, angles)
+        return self.quantise(o.flatten(-2).unflatten(-1, (self.groups, -1)))
+
+    def quantise(self, x):
+        return quant.fake_quant_mxfp8(x)
+
+
+class FloorScaleMxfp8(AttentionChainMxfp8):
+    """Near miss: the MXFP8 scale rounds the exponent down (2^floor(log2(amax / 448))), which
+    saturates a block's largest values instead of covering them."""
+
+    def quantise(self, x):
+        blocks = x.float().unflatten(-1, (-1, 32))
+        ratio = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448.0
+        scale = (((ratio.view(torch.int32) >> 23) & 0xFF) << 23).view(torch.float32)
+        values = (blocks / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+        return (values * scale).flatten(-2).to(x.dtype)

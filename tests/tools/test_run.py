@@ -53,7 +53,11 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_c
         assert set(s) == METRIC_KEYS | {"step", "eager_token", "compiled_token"} and s["positions"] == 1
     overall = comparison["overall"]
     assert overall["positions"] == 8 and overall["finite"]
-    assert overall["max_abs"] < 1e-3 and overall["cosine_min"] > 0.99999 and overall["top1_agreement"] == 1.0
+    # tiny is quant="ref": the kernels' last-bit differences may flip an MXFP8 rounding, a grid step
+    # that moves tiny's logits by up to ~0.2 (docs/mega_attention.md "Rounding flips"); the fused
+    # step's exact agreement is tests/runtime/test_compiled_engine.py's, at quant="none"
+    assert comparison["tolerance"] == run.DEFAULT_TOLERANCE["float32", "ref"] == 0.5
+    assert overall["max_abs"] <= 0.5 and overall["cosine_min"] > 0.99 and overall["top1_agreement"] == 1.0
     assert comparison["passed"] and r["exit_status"] == 0
 
     # eager's greedy tokens drive both models; the compiled model's choices agree
