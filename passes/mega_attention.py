@@ -25,6 +25,10 @@ head). The quantiser's scale rule is checked by running the graph's own scale op
 unfused with the reason. The q RoPE, the row gathers and the byte decodes before the chain stay
 unfused.
 
+The dense form (HF transformers' DeepseekV4: [batch, heads, queries, keys], one key head for all
+the queries, an additive mask, the sink as the softmax's last column, a rotate-half inverse RoPE)
+is the same chain and becomes the same op; its section below says how it is read.
+
 Not this pattern (near misses, rejected with the reason): a softmax without the sink (its max or its
 denominator), a softmax over another dim than the keys, values other than the keys, RoPE rotating
 other dims than the tail, an MXFP8 rounding with another scale rule, intermediates used outside the
@@ -205,6 +209,30 @@ def _mxfp8_tail(final: fx.Node, head_dim: int) -> tuple[fx.Node, list[fx.Node], 
     return end, nodes, reshape
 
 
+def _candidate(gemm: fx.Node, chain: list[fx.Node], final: fx.Node, spec, inputs: dict, **fields) -> Candidate:
+    """The match, once every intermediate of the chain is known to be private to it."""
+    inside = set(chain) | {final}
+    nodes = [n for n in gemm.graph.nodes if n in inside]
+    for node in nodes:
+        if node is not final and not all(user in inside for user in node.users):
+            raise NoMatch(f"intermediate {node.name} is also used outside the attention chain")
+    return Candidate(gemm, nodes, spec, inputs=inputs,
+                     left_unfused=["the q RoPE, the row gathers and byte decodes before the scores"], **fields)
+
+
+def _viewed_fake(t, views: list):
+    for op, args in views:
+        t = op(t, *args)
+    return t
+
+
+def _viewed(graph: fx.Graph, node: fx.Node, views: list) -> fx.Node:
+    """`node` through `views` ([(view op, its other args)]), each a new node after the last."""
+    for op, args in views:
+        node = call(graph, op, (node, *args), op(val(node), *args))
+    return node
+
+
 def _gemm(out: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     """(a, b, the GEMM's nodes) of out = a @ b: a bmm, or an mm (on GPUs Inductor turns a bmm of
     batch one into one), looking through the zero padding and the output slices of Inductor's
@@ -300,6 +328,220 @@ def _inverse_rope(o: fx.Node, head_dim: int) -> tuple[fx.Node, fx.Node, int, lis
     return joined, angles, rd, nodes
 
 
+# ---- the dense form: [batch, heads, queries, keys], the sink as the softmax's last column ---------
+# HF transformers' DeepseekV4 attention (`eager_attention_forward`, `apply_rotary_pos_emb`):
+#
+#     s   = (q @ k^T) * scale                  q [B, H, T, D]; k [B, 1, S, D] (or [B, S, D]) broadcast over the heads
+#     s   = s + where(valid, 0, fill)          valid bool [B or 1, 1, T, S]; fill -inf or below -1e30
+#     x   = cat([s, sink broadcast], -1)       (x - max(x) first, optional: the softmax cancels it)
+#     p   = softmax(x)[..., :-1]               amax, sub, exp, sum, div; the sink's column dropped
+#     o   = p @ k                              V = K
+#     o   = cat(o[..., :-rd], r * cos2 + rotate_half(r) * -sin2)    r = o[..., -rd:]; cos2 and sin2 each
+#           angle's cos and sin twice (repeat_interleave), rotate_half(r) = (-r_odd, r_even) interleaved
+#
+# The op reads it in its per-row layout through views only (no sizes, so symbolic shapes stay
+# symbolic): q.transpose(1, 2), the keys as [B, 1, S, D] (broadcast over the queries), valid[:, 0],
+# the angles [B or 1, T, rd / 2]; its output, transposed back, replaces the join.
+
+_FILL_BELOW = -1e30  # an additive mask value that removes a key: e^(s + fill - m) is 0 in fp32
+
+
+def _fill_value(x) -> float | None:
+    return scalar(x) if scalar(x) is not None else x.args[1] if is_op(x, aten.full) else None
+
+
+def _under_broadcasts(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(the path from `node` down to its first broadcasting expand (the expand last), the path from
+    that expand's input down to the source); without a broadcast: (walk(node), [])."""
+    above = walk(node)
+    if not is_op(above[-1], aten.expand):
+        return above, []
+    return above, walk(above[-1].args[0])
+
+
+def _expect(path: list[fx.Node], groups: list[tuple[int, ...]], what: str, inverse: bool = False) -> None:
+    """The top of `path` holds its source's dims as `groups` (source_groups' form; the source's
+    unit dims left out of both)."""
+    sizes = dims(path[0] if inverse else path[-1])
+    want = [g for g in (tuple(d for d in group if sizes[d] != 1) for group in groups) if g]
+    if source_groups(path, inverse=inverse) != want:
+        raise NoMatch(f"{what} does not reach the attention in the [batch, heads, queries, keys] layout")
+
+
+def _sink_column_softmax(p_top: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
+    """(scores, the sink column, the nodes) of p_top = softmax(cat([scores, sink], -1))[..., :-1]."""
+    div = p_top.args[0]
+    exp_x, total = div.args[:2] if is_op(div, aten.div) else (None, None)
+    if not (is_op(exp_x, aten.exp) and is_op(exp_x.args[0], aten.sub)):
+        raise NoMatch("not P V of a softmax", candidate=False)
+    width = dims(div)[-1]
+    if _slice_range(p_top, width) != (0, width - 1):
+        raise NoMatch("the softmax's columns are cut otherwise than dropping the last (the sink's)")
+    x, shift = exp_x.args[0].args[:2]
+    nodes = [p_top, div, exp_x, exp_x.args[0]]
+    for found in (per_row(shift, x, ("amax", "max")), per_row(total, exp_x, ("sum",))):
+        if found is None:
+            raise NoMatch("the softmax with the sink column does not reduce over the last dim")
+        nodes += found
+    pre = per_row(x.args[1], x.args[0], ("amax", "max")) if is_op(x, aten.sub) else None
+    if pre is not None:  # HF subtracts the row max once more before the softmax
+        nodes += [x, *pre]
+        x = x.args[0]
+    if not (is_op(x, aten.cat) and len(x.args[0]) == 2 and is_last_dim(x.args[1] if len(x.args) > 1 else 0, x)):
+        raise NoMatch("the softmax's input is not the scores with one sink column appended")
+    scores, sink = x.args[0]
+    if dims(sink)[-1] != 1:
+        raise NoMatch(f"the column appended to the scores is {dims(sink)[-1]} wide, not one sink value")
+    return scores, sink, nodes + [x]
+
+
+def _additive_mask(masked: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(the scaled scores, the bool mask) of masked = scaled + where(valid, 0, fill)."""
+    if is_op(masked, aten.add):
+        for scaled, bias in (masked.args[:2], masked.args[1::-1]):
+            if is_op(bias, aten.where) and dtype(bias.args[0]) == torch.bool:
+                keep, drop = (_fill_value(x) for x in bias.args[1:3])
+                if keep != 0 or drop is None or drop > _FILL_BELOW:
+                    raise NoMatch(f"the additive mask is where(valid, {keep}, {drop}), not where(valid, 0, -inf)")
+                return scaled, bias.args[0]
+    raise NoMatch("the scores are not masked: neither where(~valid, -inf, s) nor s + where(valid, 0, -inf)")
+
+
+def _repeated_half(node: fx.Node, rd: int, what: str) -> tuple[fx.Node, list[fx.Node]]:
+    """(c, the nodes) of node = c [.., T, rd / 2] with each value repeated twice along the last dim
+    (unsqueeze(-1), expand to 2, merge) and a heads dim of 1 put in front of the queries."""
+    above = walk(node)
+    pairs = above[-1]
+    if not (is_op(pairs, aten.expand) and dims(pairs)[-2:] == [rd // 2, 2] and dims(pairs.args[0])[-1:] == [1]):
+        raise NoMatch(f"{what} is not each angle's value repeated for both elements of its pair")
+    lead = len(dims(pairs)) - 2
+    _expect(above, [*[(d,) for d in range(lead)], (lead, lead + 1)], what)
+    below = walk(pairs.args[0])
+    if dims(below[-1]) != dims(pairs)[:-1] or len(dims(node)) != lead + 2 or dims(node)[-3] != 1:
+        raise NoMatch(f"{what} is not laid out [.., 1 (heads), queries, {rd}]")
+    return below[-1], above[:-1] + [pairs] + below[:-1]
+
+
+def _trig_of(node: fx.Node, fn) -> fx.Node | None:
+    """x of node = fn(x) or fn(x) * 1 (HF's attention scaling, 1 for V4's rope), maybe cast (HF
+    rounds cos and sin to a 16-bit model's dtype; the kernel keeps them fp32)."""
+    if is_convert(node):
+        node = node.args[0]
+    if is_op(node, aten.mul) and scalar(node.args[1]) == 1.0:
+        node = node.args[0]
+    return node.args[0] if is_op(node, fn) else None
+
+
+def _rotate_half_inverse(o: fx.Node, head_dim: int) -> tuple[fx.Node, fx.Node, int, list[fx.Node]]:
+    """(the join, the angles, rope_dim, the nodes) of o's tail rotated back the rotate-half way."""
+    slices = {n: _slice_range(n, head_dim) for n in o.users}
+    if len(slices) != 2 or None in slices.values():
+        raise NoMatch("the attention output is not split into a kept part and a rotated part (no inverse RoPE)")
+    kept, r = sorted(slices, key=lambda n: slices[n])
+    rd = head_dim - slices[r][0]
+    if slices[kept] != (0, head_dim - rd):
+        raise NoMatch(f"the output is split into {sorted(slices.values())}: not [0, h) kept and [h, head_dim) rotated")
+    steps = {(n.args[2], n.args[4]): n for n in r.users
+             if is_op(n, aten.slice) and len(n.args) > 4 and is_last_dim(n.args[1], r)}
+    even, odd = steps.get((0, 2)), steps.get((1, 2))
+    neg = sole_user(odd) if odd is not None else None
+    if even is None or not is_op(neg, aten.neg):
+        raise NoMatch("the rotated part is not read as its even elements and its negated odd ones (rotate_half)")
+    ups = [sole_user(neg), sole_user(even)]
+    pair = sole_user(ups[0]) if all(is_op(u, aten.unsqueeze) for u in ups) else None
+    if not (is_op(pair, aten.cat) and list(pair.args[0]) == ups):
+        raise NoMatch("rotate_half does not interleave (-odd, even)")
+    half = _forward_moves(pair)
+    turned = half[-1]
+    if len(turned.users) == 1 and is_convert(sole_user(turned)):
+        half.append(sole_user(turned))
+    third = [n for n in r.users if n not in (even, odd)]  # r (maybe widened first) times cos
+    x = third[0] if len(third) == 1 and is_convert(third[0]) else r
+    m_cos, m_sin = sole_user(x) if x is not r else third[0] if len(third) == 1 else None, sole_user(half[-1])
+    cos2 = _other(m_cos, x) if is_op(m_cos, aten.mul) else None
+    sin2 = _other(m_sin, half[-1]) if is_op(m_sin, aten.mul) else None
+    if cos2 is None or sin2 is None:
+        raise NoMatch("the rotated part and rotate_half of it are not each multiplied by an angle factor")
+    total = sole_user(m_cos)
+    if not (is_op(total, aten.add) and set(total.args[:2]) == {m_cos, m_sin}):
+        raise NoMatch("the two products are not added (x cos + rotate_half(x) sin)")
+    c, cos_nodes = _repeated_half(cos2, rd, "the cos factor")
+    s, sin_nodes = _repeated_half(sin2, rd, "the sin factor")
+    angles = _trig_of(c, aten.cos)
+    if angles is None or not is_op(s, aten.neg) or _trig_of(s.args[0], aten.sin) is not angles:
+        raise NoMatch("the factors are not cos and -sin of one angle tensor (the inverse rotation)")
+    back = [total] + ([sole_user(total)] if len(total.users) == 1 and is_convert(sole_user(total)) else [])
+    joined = sole_user(back[-1])
+    if not (is_op(joined, aten.cat) and list(joined.args[0]) == [kept, back[-1]]):
+        raise NoMatch("the kept part and the rotated tail are not joined back as [kept, rotated]")
+    nodes = [kept, r, even, odd, neg, *ups, pair, *half, m_cos, m_sin, *back, joined, *cos_nodes, *sin_nodes, s]
+    return joined, angles, rd, nodes + ([x] if x is not r else [])
+
+
+def _dense_candidate(gemm: fx.Node, pv: fx.Node, p: fx.Node, v: fx.Node, pv_nodes: list[fx.Node]) -> dict:
+    """The dense form's pieces (module comment above), for MegaAttentionPass.match."""
+    p_path = walk(p)
+    scores, sink_col, softmax_nodes = _sink_column_softmax(p_path[-1])
+    if is_op(scores, aten.where):
+        raise NoMatch("the dense form's scores are masked with where(): only an additive where(valid, 0, -inf) mask")
+    scaled, valid_b = _additive_mask(scores)
+    if not is_op(scaled, aten.mul) or scalar(scaled.args[1]) is None:
+        raise NoMatch("the scores are not scaled by a constant")
+    if len(dims(scores)) != 4:
+        raise NoMatch(f"the scores {dims(scores)} are not [batch, heads, queries, keys]")
+    B, H, T, S = dims(scores)
+    s_path = walk(scaled.args[0])
+    qk = _gemm(s_path[-1])
+    if qk is None:
+        raise NoMatch("the scores are not a GEMM of q and the keys")
+    _expect(s_path, [(0, 1), (2,), (3,)], "the scores", inverse=True)
+    _expect(p_path, [(0, 1), (2,), (3,)], "the softmax")
+    sink_above, sink_below = _under_broadcasts(sink_col)
+    sink_path = sink_below or sink_above  # the sink [H] shaped [1, H, 1, 1], then broadcast
+    if dims(sink_path[-1]) != [H] or dims(sink_path[0]) != [1, H, 1, 1] or source_groups(sink_path) != [(0,)]:
+        raise NoMatch(f"the sink column is not one value per head ({H} heads)")
+
+    q_path = walk(qk[0])
+    q = q_path[-1]
+    if dims(q)[:3] != [B, H, T] or len(dims(q)) != 4:
+        raise NoMatch(f"q {dims(q)} is not [batch, heads, queries, head_dim] = [{B}, {H}, {T}, ..]")
+    _expect(q_path, [(0, 1), (2,), (3,)], "q")
+    head_dim = dims(q)[-1]
+    sources = []
+    for operand, order, what in ((qk[1], (4, 3), "the keys (scores)"), (v, (3, 4), "the keys (values)")):
+        above, below = _under_broadcasts(operand)
+        spread = above[-1]
+        if not below or dims(spread) != [B, 1, H, S, head_dim] or dims(spread.args[0])[2] != 1:
+            raise NoMatch(f"{what} are not one key head broadcast over the {H} query heads (MQA)")
+        _expect(above, [(0, 2), (order[0],), (order[1],)], what)
+        _expect(below, [(0,), (1,), (2,)] if len(dims(below[-1])) == 3 else [(0,), (2,), (3,)], what)
+        sources.append((below[-1], above[:-1] + [spread] + below[:-1]))
+    (keys, k_nodes), (values, v_nodes) = sources
+    if keys is not values:
+        raise NoMatch("the values are not the keys (K = V)")
+    if dims(keys) not in ([B, 1, S, head_dim], [B, S, head_dim]):
+        raise NoMatch(f"the keys {dims(keys)} are not [batch, 1, keys, head_dim]")
+    if dims(valid_b)[1:] != [1, T, S] or dims(valid_b)[0] not in (1, B):
+        raise NoMatch(f"the mask {dims(valid_b)} is not [batch, 1, queries, keys]")
+
+    o_path = _forward_moves(pv)
+    o = o_path[-1]
+    if dims(o) != [B, H, T, head_dim]:
+        raise NoMatch(f"the output {dims(o)} is not [batch, heads, queries, head_dim] where the inverse RoPE reads it")
+    _expect(o_path[::-1], [(0, 1), (2,), (3,)], "the output", inverse=True)
+    joined, angles, rope_dim, rope_nodes = _rotate_half_inverse(o, head_dim)
+    if dims(angles)[-2:] != [T, rope_dim // 2] or dims(angles)[0] not in (1, B) or len(dims(angles)) != 3:
+        raise NoMatch(f"the angles {dims(angles)} are not [batch, queries, rope_dim / 2]")
+    chain = [*pv_nodes, *qk[2], *p_path[:-1], *softmax_nodes, scores, scaled, *s_path, *q_path[:-1], *k_nodes,
+             *v_nodes, *o_path[1:], *rope_nodes]
+    chain += (sink_above + sink_below[:-1]) if sink_below else sink_above[:-1]
+    to_rows = [(aten.permute.default, ([0, 2, 1, 3],))]
+    return dict(chain=chain, joined=joined, q=q, keys=keys, valid=valid_b, sink=sink_path[-1],
+                angles=angles, scale=float(scalar(scaled.args[1])), head_dim=head_dim,
+                views={"q": to_rows, "keys": [] if len(dims(keys)) == 4 else [(aten.unsqueeze.default, (1,))],
+                       "valid": [(aten.select.int, (1, 0))], "out": to_rows})
+
+
 @register
 class MegaAttentionPass(FusionPass):
     name = "mega_attention"
@@ -315,6 +557,8 @@ class MegaAttentionPass(FusionPass):
         while sole_user(pv) is not None and keeps_leading(sole_user(pv)):
             pv = sole_user(pv)
         p, v, pv_nodes = _gemm(pv)
+        if is_op(walk(p)[-1], aten.slice):
+            return self._dense(gemm, pv, p, v, pv_nodes)
         p_path, v_path = walk(p), walk(v)
         div = p_path[-1]
         if not is_op(div, aten.div) or not is_op(div.args[0], aten.exp):
@@ -400,22 +644,30 @@ class MegaAttentionPass(FusionPass):
                  masked.args[0], scaled, *s_path, *q_path[:-1], *k_path[:-1], *v_path[:-1], *o_path[1:], *rope_nodes,
                  cast, *(tail_nodes if tail else ()), final]
         chain += [n for x in (amax, total) for n in per_row(x, masked if x is amax else exp_s, ("amax", "max", "sum"))]
-        inside = set(chain)
-        nodes = [n for n in gemm.graph.nodes if n in inside]
-        for node in nodes:
-            if node is not final and not all(user in inside for user in node.users):
-                raise NoMatch(f"intermediate {node.name} is also used outside the attention chain")
         spec = ops.attention_spec(val(q), val(angles), float(scalar(scaled.args[1])),
                                   str(dtype(cast)).removeprefix("torch."), tail is not None)
-        return Candidate(gemm, nodes, spec, inputs={"q": q, "keys": keys, "valid": valid,
-                                                  "sink": sink_path[-1], "angles": angles},
-                         outputs={"out": final, "shape_of": tail[2] if tail else None}, insert_before=cast,
-                         left_unfused=["the q RoPE, the row gathers and byte decodes before the scores"])
+        return _candidate(gemm, chain, final, spec, {"q": q, "keys": keys, "valid": valid, "sink": sink_path[-1],
+                                                     "angles": angles},
+                          outputs={"out": final, "shape_of": tail[2] if tail else None}, insert_before=cast)
+
+    def _dense(self, gemm, pv, p, v, pv_nodes) -> Candidate:
+        d = _dense_candidate(gemm, pv, p, v, pv_nodes)
+        if dtype(d["q"]) != dtype(d["keys"]):
+            raise NoMatch(f"q is {dtype(d['q'])} and the keys {dtype(d['keys'])}: the kernel reads one dtype")
+        if dtype(d["angles"]) != torch.float32:
+            raise NoMatch(f"the angles are {dtype(d['angles'])}: the rotation the kernel reproduces runs in fp32")
+        views = d["views"]
+        q_rows = _viewed_fake(val(d["q"]), views["q"])
+        spec = ops.attention_spec(q_rows, val(d["angles"]), d["scale"], str(dtype(d["joined"])).removeprefix("torch."),
+                                  False)
+        inputs = {name: d[name] for name in ("q", "keys", "valid", "sink", "angles")}
+        return _candidate(gemm, d["chain"], d["joined"], spec, inputs | {"views": views},
+                          outputs={"out": d["joined"], "shape_of": None}, insert_before=d["joined"])
 
     def check(self, candidate: Candidate) -> str | None:
-        i = candidate.inputs
-        return ops.attention_unsupported(val(i["q"]), val(i["keys"]), val(i["valid"]),
-                                         val(i["sink"]).float(), val(i["angles"]),
+        i, views = candidate.inputs, candidate.inputs.get("views", {})
+        q, keys, valid = (_viewed_fake(val(i[name]), views.get(name, [])) for name in ("q", "keys", "valid"))
+        return ops.attention_unsupported(q, keys, valid, val(i["sink"]).float(), val(i["angles"]),
                                          *ops.attention_scalars(candidate.spec))
 
     def rewrite(self, graph: fx.Graph, candidate: Candidate) -> fx.Node:
@@ -425,14 +677,17 @@ class MegaAttentionPass(FusionPass):
             if dtype(sink) != torch.float32:
                 sink = call(graph, torch.ops.prims.convert_element_type.default, (sink, torch.float32),
                             val(sink).float())
-            args = (i["q"], i["keys"], i["valid"], sink, i["angles"], *ops.attention_scalars(candidate.spec))
+            views = i.get("views", {})
+            q, keys, valid = (_viewed(graph, i[name], views.get(name, [])) for name in ("q", "keys", "valid"))
+            args = (q, keys, valid, sink, i["angles"], *ops.attention_scalars(candidate.spec))
             fused = call(graph, torch.ops.megafuse.mega_attention.default, args,
                          ops.attention_fake(*(val(a) for a in args)))
-        fused.meta["stack_trace"] = candidate.anchor.meta.get("stack_trace")
+            fused.meta["stack_trace"] = candidate.anchor.meta.get("stack_trace")
+            result = _viewed(graph, fused, views.get("out", []))
         shape_of = candidate.outputs["shape_of"]
         if shape_of is not None:  # the MXFP8 tail's shape: its sizes are defined before its last node
             with graph.inserting_before(out):
-                fused = call(graph, torch.ops.aten.reshape.default, (fused, shape_of.args[1]), val(out))
-        out.replace_all_uses_with(fused)
+                result = call(graph, torch.ops.aten.reshape.default, (fused, shape_of.args[1]), val(out))
+        out.replace_all_uses_with(result)
         return fused
 

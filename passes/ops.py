@@ -233,8 +233,9 @@ _bind(torch.ops.megafuse.mega_mhc.default, torch.ops.megafuse.mega_mhc_kernel.de
 # ---- megafuse::mega_attention ---------------------------------------------------------------------
 # q [..., H, Dh], keys [..., J, Dh] (K = V), valid [..., J] bool, sink [H] fp32 and angles
 # [..., rope_dim / 2] fp32, one leading shape (the rows) for all -> out [..., H, Dh] in out_dtype.
-# The angles may broadcast against the rows (a model that takes one position per token for every
-# sequence of a batch: angles [1, T, ..] for q [B, T, ..]).
+# The keys, the mask and the angles may broadcast against the rows where their leading dim is 1:
+# one position per token for every sequence of a batch (angles [1, T, ..] for q [B, T, ..]), one
+# key set per sequence for all its queries (HF's dense layout: keys [B, 1, J, Dh]).
 # The shapes bind heads, head_dim and rope_dim; the scalars the rest.
 
 ATTENTION_SCALARS = ("scale", "out_dtype", "mxfp8")
@@ -256,20 +257,39 @@ def attention_scalars(spec: "attention_kernels.AttentionSpec") -> tuple:
 
 
 def _run_attention(impl, q, keys, valid, sink, angles, scalars, check_only=False):
-    """The rows' leading dims flattened for the launcher (and restored on the output)."""
+    """The rows' leading dims flattened for the launcher (and restored on the output). Keys shared
+    along a leading dim that does not flatten with the others without a copy (HF's keys, one set
+    per sequence for all its queries) take one launch per index of the first leading dim."""
     spec = attention_spec(q, angles, *scalars)
     lead = q.shape[:-2]
-    if angles.dim() == len(lead) + 1 and all(a in (1, r) for a, r in zip(angles.shape, lead)):
-        angles = angles.expand(*lead, angles.shape[-1])
-    for name, t, keep in (("keys", keys, 2), ("valid", valid, 1), ("angles", angles, 1)):
-        if t.shape[:-keep] != lead:
-            raise ValueError(f"mega_attention: {name} has leading dims {list(t.shape[:-keep])}, q {list(lead)}: "
-                             "every input holds one entry per row" + (" (the angles may broadcast)" if name == "angles" else ""))
+    keys, valid, angles = (_broadcast_rows(name, t, keep, lead) for name, t, keep in
+                           (("keys", keys, 2), ("valid", valid, 1), ("angles", angles, 1)))
+    if len(lead) > 1 and not _flattens(keys, 2):
+        per_index = [_run_attention(impl, q[i], keys[i], valid[i], sink, angles[i], scalars, check_only)
+                     for i in range(1 if check_only else lead[0])]
+        return None if check_only else torch.stack(per_index)
     args = (_flat(q, 2), _flat(keys, 2), _flat(valid, 1), sink, _flat(angles, 1), spec)
     if check_only:
         return attention_kernels.validate(*args)
     out = impl(*args)
     return out if q.dim() == 3 else out.reshape(q.shape)
+
+
+def _broadcast_rows(name: str, t: torch.Tensor, keep: int, lead) -> torch.Tensor:
+    """t [lead.., last `keep` dims], expanded where its leading dims are 1 (a view); else ValueError."""
+    if t.dim() == len(lead) + keep and all(a in (1, r) for a, r in zip(t.shape, lead)):
+        return t.expand(*lead, *t.shape[len(lead):])
+    raise ValueError(f"mega_attention: {name} has leading dims {list(t.shape[:-keep])}, q {list(lead)}: every "
+                     "input holds one entry per row (or 1, broadcast over the rows)")
+
+
+def _flattens(t: torch.Tensor, keep: int) -> bool:
+    """Whether t's leading dims merge into one without a copy."""
+    try:
+        t.view(-1, *t.shape[t.dim() - keep:])
+    except (RuntimeError, ValueError):  # fake tensors raise the latter
+        return False
+    return True
 
 
 def attention_unsupported(q, keys, valid, sink, angles, *scalars) -> str | None:

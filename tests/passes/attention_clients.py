@@ -114,3 +114,48 @@ class FloorScaleMxfp8(AttentionChainMxfp8):
         scale = (((ratio.view(torch.int32) >> 23) & 0xFF) << 23).view(torch.float32)
         values = (blocks / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
         return (values * scale).flatten(-2).to(x.dtype)
+
+
+# ---- HF transformers' DeepseekV4 attention: its own functions, dense [batch, heads, queries, keys] ----
+
+class HFDenseChain(nn.Module):
+    """`DeepseekV4Attention.forward` between the projections, through transformers' own code:
+    `eager_attention_forward` (one key head broadcast over the query heads, an additive mask, the
+    sink as the softmax's last column) and `apply_rotary_pos_emb(.., cos, -sin)` on the output.
+    Inputs: q [B, H, T, D], kv [B, 1, S, D], allowed bool [B or 1, 1, T, S], angles [1, T, rd / 2]."""
+
+    def __init__(self, heads=4, head_dim=32):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.randn(heads, generator=torch.Generator().manual_seed(heads)))
+        self.num_key_value_groups = heads  # read by eager_attention_forward (one key head)
+
+    def forward(self, q, kv, allowed, angles):
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)  # as HF's mask functions make it
+        o, _ = hf.eager_attention_forward(self, q, kv, kv, mask, scaling=q.shape[-1] ** -0.5)
+        cos, sin = self.factors(angles, q.dtype)
+        return hf.apply_rotary_pos_emb(o.transpose(1, 2), cos, sin).transpose(1, 2)
+
+    def factors(self, angles, dtype):
+        """(cos, -sin) as HF's rotary embedding makes them (times its attention scaling, 1)."""
+        return (angles.cos() * 1.0).to(dtype), -(angles.sin() * 1.0).to(dtype)
+
+
+class HFForwardRope(HFDenseChain):
+    """Near miss: the output's tail rotated with (cos, +sin), forward."""
+
+    def factors(self, angles, dtype):
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class HFSinkKept(HFDenseChain):
+    """Near miss: the softmax's first column dropped instead of the sink's (the last)."""
+
+    def forward(self, q, kv, allowed, angles):
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+        k = kv.expand(-1, q.shape[1], -1, -1)
+        s = q @ k.transpose(2, 3) * q.shape[-1] ** -0.5 + torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+        x = torch.cat([s, self.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)], dim=-1)
+        o = torch.softmax(x, dim=-1)[..., 1:] @ k
+        cos, sin = self.factors(angles, q.dtype)
+        return hf.apply_rotary_pos_emb(o, cos, sin)

@@ -9,8 +9,8 @@ from torch._inductor import config as inductor_config
 from megafuse.lowering import kernel_cache
 from megafuse.model import build_model
 from tests.passes.attention_clients import (AttentionChain, AttentionChainMxfp8, FloorScaleMxfp8, ForwardRope,
-                                            NoSinkInDenominator, NoSinkInMax, RopeOnHead, SoftmaxOverHeads,
-                                            ValuesNotKeys)
+                                            HFDenseChain, HFForwardRope, HFSinkKept, NoSinkInDenominator, NoSinkInMax,
+                                            RopeOnHead, SoftmaxOverHeads, ValuesNotKeys)
 from tests.passes.cuda_forms import TORCH_2_11_FORMS
 from tests.passes.post_grad import fuse
 
@@ -169,4 +169,70 @@ def test_every_attention_layer_of_a_quant_ref_model_fuses_with_its_mxfp8(tiny_fp
         logits, want = fused(ids), model(ids)
     assert fused.report.counts() == {"mega_attention": cfg.n_layers}, fused.report.rejections("mega_attention")
     assert [m.spec["mxfp8"] for m in fused.report.matches("mega_attention")] == [True] * cfg.n_layers
+    assert _rel(logits, want) <= 1e-5
+
+
+# ---- HF transformers' dense form ----------------------------------------------------------------
+
+def _dense_inputs(B, T, S, dtype, seed, shared_mask=True):
+    """q [B, H, T, D], one key head kv [B, 1, S, D], a causal sliding mask (query t sees keys
+    t + S - T - 3 .. t + S - T) with, per sequence, one query left without a key, angles [1, T, rd / 2]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HEADS, T, HEAD_DIM, generator=g).to(dtype)
+    kv = torch.randn(B, 1, S, HEAD_DIM, generator=g).to(dtype)
+    t, j = torch.arange(T)[:, None] + S - T, torch.arange(S)[None, :]
+    allowed = ((j <= t) & (j > t - 4)).expand(1 if shared_mask else B, 1, T, S).clone()
+    allowed[..., 1, :] = False  # a query that sees only the sink: exactly 0
+    angles = torch.rand(1, T, ROPE_DIM // 2, generator=g) * 100
+    return q, kv, allowed, angles
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("shared_mask", [True, False])
+def test_hf_dense_chain_fuses_once_and_equals_it(dtype, tol, shared_mask):
+    pytest.importorskip("transformers")
+    module = HFDenseChain(HEADS, HEAD_DIM).to(dtype)
+    module.sinks.data = module.sinks.data.float()  # HF keeps the sinks fp32
+    args = _dense_inputs(2, 5, 9, dtype, seed=7, shared_mask=shared_mask)
+    fused, out = _run_fused(module, args)
+    want = module(*args)
+    assert fused.report.counts() == {"mega_attention": 1}, fused.report.rejections("mega_attention")
+    graph = fused.post_grad_graphs[0]
+    for gone in ("aten.bmm", "aten.exp", "aten.amax", "aten.neg", "aten.sin"):
+        assert gone not in graph, gone
+    assert out.shape == want.shape == (2, 5, HEADS, HEAD_DIM) and out.dtype == dtype
+    assert _rel(out, want) <= tol
+    assert bool((out[:, 1] == 0).all())  # the query without a key
+
+
+@pytest.mark.parametrize("module, reason", [
+    (HFForwardRope(HEADS, HEAD_DIM), "not cos and -sin of one angle tensor"),
+    (HFSinkKept(HEADS, HEAD_DIM), "cut otherwise than dropping the last"),
+])
+def test_hf_near_misses_are_not_matched_and_say_why(module, reason):
+    pytest.importorskip("transformers")
+    args = _dense_inputs(2, 5, 9, torch.float32, seed=8)
+    fused, out = _run_fused(module, args)
+    assert fused.report.counts() == {"mega_attention": 0}
+    reasons = [r.reason for r in fused.report.rejections("mega_attention")]
+    assert len(reasons) == 1 and reason in reasons[0], reasons
+    torch.testing.assert_close(out, module(*args), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # HF's 4-layer model through the post-grad graph (~1 min)
+def test_hf_deepseek_v4_fires_at_every_attention_layer():
+    pytest.importorskip("transformers")
+    from tests.passes.test_mega_gate_models import _hf_model
+    model = _hf_model()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        fused = fuse(model, ["mega_attention"], fullgraph=True)
+        logits, want = fused(ids, use_cache=False).logits, model(ids, use_cache=False).logits
+    layers = model.config.num_hidden_layers
+    assert fused.report.counts() == {"mega_attention": layers}, fused.report.rejections("mega_attention")
+    assert fused.post_grad_graphs[0].count("megafuse.mega_attention") == layers
+    graph = fused.post_grad_graphs[0]
+    # each attention's softmax is gone: HF's row max over the scores and the sink column (the only
+    # max.dim of the model; the hyper-connections' softmaxes keep their amax)
+    assert "aten.max.dim" not in graph
     assert _rel(logits, want) <= 1e-5
