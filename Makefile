@@ -26,10 +26,10 @@ run: $(STAMP)
 # (whole-model compiles, every parametrisation past a representative: tests/marks.py), for
 # iteration; test-all: with the `exhaustive` ones too (hundreds of generated cases)
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not exhaustive" --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not exhaustive" --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not slow and not exhaustive" --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow and not exhaustive" --durations=15
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q --durations=15

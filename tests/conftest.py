@@ -23,7 +23,9 @@ def _no_grad():
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(items):
-    # a test that compiles a whole model through the tool tests' shared cache is slow
+    # a test that compiles a whole model through the tool tests' shared cache is slow, and runs on
+    # the worker that holds the cache's compiles (`make test`: --dist loadgroup), not compiling again
     for item in items:
         if "cached_compiles" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.xdist_group("compile_cache"))
