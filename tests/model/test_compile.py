@@ -1,24 +1,16 @@
 """The whole model traces with torch.compile(fullgraph=True) and Inductor's output matches eager.
 
-On `tiny` cut to 5 layers, one of each role as `proxy` lays them out (SWA-only with Engram, Full
-ratio 2, Full ratio 1 at L/2 (the decoder KV and candidate source), Reuse, Reindex with candidates;
-tiny's 12 take ~9 minutes to compile on 2 CPU cores), compiled twice: without quantisation (the
-1e-4 fp32 bound) and with the reference fake quantisation.
+On tiny's roles at 5 layers (`tests/passes/tiny.every_role_tiny`), compiled twice: without
+quantisation (the 1e-4 fp32 bound) and with the reference fake quantisation.
 """
 
 import pytest
 import torch
 
-from megafuse.model import build_model, preset
-
-ROLE_FIELDS = ("n_layers", "compress_ratios", "kv_source_layers", "index_source_layers", "engram_layers")
+from megafuse.model import build_model
+from tests.passes.tiny import every_role_tiny
 
 pytestmark = pytest.mark.slow  # whole models compiled
-
-
-def _shallow(**changes):
-    proxy = preset("proxy")
-    return preset("tiny").replace(**{f: getattr(proxy, f) for f in ROLE_FIELDS}, **changes)
 
 
 def _compiled_vs_eager(cfg, seed):
@@ -30,12 +22,12 @@ def _compiled_vs_eager(cfg, seed):
 
 
 def test_tiny_compiles_fullgraph_and_matches_eager():
-    compiled, eager = _compiled_vs_eager(_shallow(quant="none", dtype="float32"), seed=0)
+    compiled, eager = _compiled_vs_eager(every_role_tiny(quant="none", dtype="float32"), seed=0)
     assert (compiled - eager).abs().max().item() <= 1e-4
 
 
 def test_tiny_with_reference_quantisation_compiles_and_agrees():
-    compiled, eager = _compiled_vs_eager(_shallow(quant="ref", dtype="float32"), seed=1)
+    compiled, eager = _compiled_vs_eager(every_role_tiny(quant="ref", dtype="float32"), seed=1)
     # A ~1e-7 difference can move a value across an FP4/FP8 rounding boundary, and one FP4 step in a
     # cached key moves every later position's logits: on one 2-core Xeon, compiled and eager differ
     # by 3e-7 at most positions but by up to 5e-3 from the sixth position of the first sequence on

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # whole models compiled
 
 def test_tiny_one_gate_per_moe_layer_and_logits_equal_eager(tmp_path):
     cfg, model, ids, fused, logits = compile_tiny(["mega_gate"], 16, dump_dir=tmp_path)
-    # Every layer of the model is MoE: 12 layers -> 12 gates, and no gate op survives the pass.
+    # Every layer of the model is MoE: one gate per layer, and no gate op survives the pass.
     assert fused.report.counts() == {"mega_gate": cfg.n_layers}
     assert fused.report.rejections("mega_gate") == []
     after = (tmp_path / "graph000_mega_gate_after.txt").read_text()

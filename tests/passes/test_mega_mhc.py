@@ -11,14 +11,14 @@ from torch import nn
 
 from megafuse import passes
 from torch._inductor import config as inductor_config
-from megafuse.model import build_model, preset
+from megafuse.model import build_model
 from megafuse.model.layers import RMSNorm
 from megafuse.model.mhc import HyperConnection, hc_post, hc_pre
 from tests.marks import slow_beyond
 from tests.passes.cuda_forms import CUDA_FORMS, TORCH_2_11_FORMS
 from tests.passes.online_softmax import ONLINE_SOFTMAX
 from tests.passes.post_grad import fuse
-from tests.passes.tiny import compile_tiny
+from tests.passes.tiny import compile_tiny, every_role_tiny
 
 N, D = 4, 64
 
@@ -363,7 +363,7 @@ def test_tiny_cast_to_bf16_fuses_every_seam_and_gate_and_equals_the_eager_model(
     # bias are bf16 while route() scores in fp32: the kernel reads the bf16 tensors (no run-time
     # dtype error). Run from the post-grad graph (tests/passes/post_grad.py), so the only
     # difference from eager is the fused kernels.
-    cfg = preset("tiny").replace(quant="none")
+    cfg = every_role_tiny(quant="none")
     model = build_model(cfg, seed=0).to(torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
