@@ -61,8 +61,6 @@ def test_hf_deepseek_v4_fires_on_moe_layers_only_and_equals_unfused_compile():
     unfused = passes.compile(model, passes="none")(ids, use_cache=False).logits
     # one gate per `moe` layer; `hash_moe` selects by table lookup and has no top-k to match
     assert fused.report.counts()["mega_gate"] == layer_kinds.count("moe")
-    # HF's dense attention (the sink as a softmax column) is MegaAttention's too, through Inductor here
-    assert fused.report.counts()["mega_attention"] == model.config.num_hidden_layers
     sources = {s.split(":")[0] for m in fused.report.matches("mega_gate") for s in m.sources}
     assert any(s.endswith("modeling_deepseek_v4.py") for s in sources)
     assert (logits - unfused).abs().max().item() <= 1e-4
