@@ -379,7 +379,9 @@ def _sink_column_softmax(p_top: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node
         raise NoMatch("the softmax's columns are cut otherwise than dropping the last (the sink's)")
     x, shift = exp_x.args[0].args[:2]
     nodes = [p_top, div, exp_x, exp_x.args[0]]
-    for found in (per_row(shift, x, ("amax", "max")), per_row(total, exp_x, ("sum",))):
+    # the max and the sum, or Inductor's online softmax (GPUs) that takes both from x in one pass
+    for found in (per_row(shift, x, ("amax", "max", "online max")),
+                  per_row(total, exp_x, ("sum",)) or per_row(total, x, ("online sum",))):
         if found is None:
             raise NoMatch("the softmax with the sink column does not reduce over the last dim")
         nodes += found

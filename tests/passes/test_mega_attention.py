@@ -12,6 +12,7 @@ from tests.passes.attention_clients import (AttentionChain, AttentionChainMxfp8,
                                             HFDenseChain, HFForwardRope, HFSinkKept, NoSinkInDenominator, NoSinkInMax,
                                             RopeOnHead, SoftmaxOverHeads, ValuesNotKeys)
 from tests.passes.cuda_forms import TORCH_2_11_FORMS
+from tests.passes.online_softmax import online_softmax
 from tests.passes.post_grad import fuse
 
 HEADS, HEAD_DIM, ROPE_DIM, KEYS = 4, 32, 8, 12
@@ -203,6 +204,19 @@ def test_hf_dense_chain_fuses_once_and_equals_it(dtype, tol, shared_mask):
     assert out.shape == want.shape == (2, 5, HEADS, HEAD_DIM) and out.dtype == dtype
     assert _rel(out, want) <= tol
     assert bool((out[:, 1] == 0).all())  # the query without a key
+
+
+def test_hf_dense_chain_fuses_under_the_gpus_online_softmax():
+    # On CUDA, Inductor turns the softmax over the scores and the sink column into
+    # prims.prepare_softmax_online (max and sum in one pass) before the passes run
+    pytest.importorskip("transformers")
+    module = HFDenseChain(HEADS, HEAD_DIM)
+    args = _dense_inputs(2, 5, 9, torch.float32, seed=9)
+    with inductor_config.patch(post_grad_custom_pre_pass=online_softmax):
+        fused, out = _run_fused(module, args)
+    assert fused.report.counts() == {"mega_attention": 1}, fused.report.rejections("mega_attention")
+    assert "prepare_softmax_online" not in fused.post_grad_graphs[0]
+    assert _rel(out, module(*args)) <= 1e-5
 
 
 @pytest.mark.parametrize("module, reason", [
