@@ -23,9 +23,9 @@ run: $(STAMP)
 	$(VENV)/bin/megafuse run --config tiny --passes all
 
 # test: the suite CI runs, on two workers (one per core; the tool tests that share compiled
-# regions form one xdist group, so one worker compiles them once: tests/conftest.py); test-fast: without the `slow` tests
-# (whole-model compiles, every parametrisation past a representative: tests/marks.py), for
-# iteration; test-all: with the `exhaustive` ones too (hundreds of generated cases)
+# regions form one xdist group, so one worker compiles them once: tests/conftest.py); test-fast:
+# without the `slow` tests (whole-model compiles, every parametrisation past a representative:
+# tests/marks.py), for iteration; test-all: with the `exhaustive` ones too (hundreds of cases)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not exhaustive" --durations=15
 

@@ -594,7 +594,7 @@ class MegaAttentionPass(FusionPass):
         if not (is_op(masked, aten.where) and is_op(masked.args[0], aten.bitwise_not, aten.logical_not)):
             raise NoMatch("the scores are not masked as where(~valid, -inf, scores)")
         fill = masked.args[1]
-        if not (scalar(fill) == -math.inf or is_op(fill, aten.full) and fill.args[1] == -math.inf):
+        if _fill_value(fill) != -math.inf:
             raise NoMatch("the masked scores are not set to -inf")
         scaled = masked.args[2]
         if not is_op(scaled, aten.mul) or scalar(scaled.args[1]) is None:

@@ -277,6 +277,8 @@ def _run_attention(impl, q, keys, valid, sink, angles, scalars, check_only=False
 
 def _broadcast_rows(name: str, t: torch.Tensor, keep: int, lead) -> torch.Tensor:
     """t [lead.., last `keep` dims], expanded where its leading dims are 1 (a view); else ValueError."""
+    if t.shape[:-keep] == lead:  # the common case, without a view's dispatch per call
+        return t
     if t.dim() == len(lead) + keep and all(a in (1, r) for a, r in zip(t.shape, lead)):
         return t.expand(*lead, *t.shape[len(lead):])
     raise ValueError(f"mega_attention: {name} has leading dims {list(t.shape[:-keep])}, q {list(lead)}: every "
