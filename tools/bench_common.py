@@ -92,17 +92,50 @@ def time_cold_l2_us(fn, n: int = 40, flush_mb: int = 96, reps: int = 15) -> floa
 class Stages:
     """Runs benchmark stages in order; a failing stage is logged with its traceback and the run
     goes on. The results JSON is rewritten after every stage, so a run cut off by its time limit
-    still leaves everything measured so far."""
+    still leaves everything measured so far, and `resume` continues it."""
+
+    # what must agree between a run and the one it continues, besides the caller's keys
+    SAME_ENVIRONMENT = ("device", "torch", "triton", "python")
 
     def __init__(self, results: dict, out_path: str, log):
         self.results, self.out_path, self.log = results, out_path, log
         results.setdefault("stages", {})
+        self.kept: set[str] = set()
+
+    def resume(self, same: tuple[str, ...], rerun: tuple[str, ...] = ()) -> None:
+        """Take over the stages that finished in the JSON already at out_path, so `run` skips them:
+        for a benchmark longer than one sitting. `same` names the results' keys that must agree with
+        that run's (the preset, the sizes, the passes), and the environment's device and versions
+        must; `rerun` names stages that always run (those that build state the others use, and
+        summaries). A missing or different earlier run raises ValueError naming what differs."""
+        try:
+            with open(self.out_path) as f:
+                previous = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"nothing to resume: {self.out_path} does not exist (run without resuming first)") from None
+        current = json.loads(json.dumps(self.results, default=str))  # tuples as JSON lists, as saved
+        env, previous_env = current.get("environment", {}), previous.get("environment", {})
+        differ = [f"{k}: {previous.get(k)!r} there, {current.get(k)!r} here" for k in same
+                  if previous.get(k) != current.get(k)]
+        differ += [f"environment.{k}: {previous_env.get(k)!r} there, {env.get(k)!r} here"
+                   for k in self.SAME_ENVIRONMENT if previous_env.get(k) != env.get(k)]
+        if differ:
+            raise ValueError(f"{self.out_path} is another run's, so it cannot be resumed: " + "; ".join(differ))
+        for name, stage in previous.get("stages", {}).items():
+            if stage.get("ok") and name not in rerun and name in previous:
+                self.results[name] = previous[name]
+                self.results["stages"][name] = stage | {"kept_from": previous_env.get("date")}
+                self.kept.add(name)
+        self.results["resumed"] = {"from": previous_env.get("date"), "kept": sorted(self.kept)}
 
     def save(self) -> None:
         with open(self.out_path, "w") as f:
             json.dump(self.results, f, indent=1, default=str)
 
     def run(self, name: str, fn) -> None:
+        if name in self.kept:
+            self.log(f"== {name}: kept from the run of {self.results['stages'][name]['kept_from']}")
+            return
         t0 = time.time()
         self.log(f"== {name}")
         try:

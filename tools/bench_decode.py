@@ -18,6 +18,10 @@ Stages, each saved as it finishes:
 3. no-passes-<B>: the same compiled by plain torch.compile (passes "none"), graphs on;
 4. summary: graphs' speed-up at each B (passes), the passes' speed-up at each B (graphs on).
 
+The first B's stages compile (minutes on a large preset). A run cut off by a time limit keeps its
+finished stages in the JSON; `--resume` with the same arguments continues it, keeping those and
+running the rest (on the same device and versions, else a usage error naming what differs).
+
 The contexts are synthetic: each request's pages hold zero bytes (its cache rows decode to 0.0,
 all index scores tie and the top-k picks the first entries), so the step reads and computes what
 a real context of that length costs without a prefill to fill it. Every run of a batch is the
@@ -51,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=27648, help="tokens each request holds (default 27648)")
     parser.add_argument("--repeat", type=int, default=20, help="timed steps per measurement (default 20)")
     parser.add_argument("--out", help="results JSON (default results/decode/bench.json)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run whose JSON is at --out: keep its finished stages, run the rest")
     parser.add_argument("--dry-run", action="store_true", help="CPU, no timing claims: checks the stages run")
     add_pass_arguments(parser, "passes of the passes-<B> stages")
     args = parser.parse_args(argv)
@@ -69,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
                "date": datetime.date.today().isoformat(), "environment": environment()}
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     stages = Stages(results, out, log)
+    if args.resume:
+        try:
+            stages.resume(same=("schema", "config", "dtype", "quant", "passes", "context", "batches", "cache_layout"),
+                          rerun=("build", "summary"))
+        except ValueError as e:
+            parser.error(str(e))
     state: dict = {}
 
     def sync():
