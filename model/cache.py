@@ -100,7 +100,7 @@ def row_codec(cfg: ModelConfig, kind: str) -> RowCodec:
     format_name, dim = dims[kind]
     if cfg.quant == "ref":
         return _quant_codec(format_name, dim)
-    return _raw_codec(dim, torch.float32 if cfg.dtype == "float32" else torch.bfloat16)
+    return _raw_codec(dim, getattr(torch, cfg.dtype))
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,9 @@ from pathlib import Path
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 QUANT_MODES = ("ref", "none")
-DTYPES = ("bfloat16", "float32")
+# float64 is the reference precision: under quant="ref" a fp32 summation-order difference of ~1e-7
+# can move a value across a FP4/FP8 rounding boundary or a top-k tie, which float64 makes negligible.
+DTYPES = ("bfloat16", "float32", "float64")
 ROLES = ("swa", "full", "reindex", "reuse")
 
 # Block sizes of the quantisation formats (MODEL.md section 6); the dims they cut must divide.
@@ -219,6 +221,9 @@ def validate(cfg: ModelConfig) -> None:
         _fail(cfg, "quant", f"{cfg.quant!r} is not one of {QUANT_MODES}")
     if cfg.dtype not in DTYPES:
         _fail(cfg, "dtype", f"{cfg.dtype!r} is not one of {DTYPES}")
+    if cfg.dtype == "float64" and cfg.quant != "ref":
+        _fail(cfg, "dtype", f"float64 is the reference precision of quant='ref' only (quant={cfg.quant!r} has no "
+              "roundings to flip and agrees in float32); use bfloat16 or float32")
     if cfg.n_active_experts > cfg.n_experts:
         _fail(cfg, "n_active_experts", f"top-{cfg.n_active_experts} exceeds n_experts={cfg.n_experts}")
     if cfg.n_shared_experts not in (0, 1):

@@ -35,7 +35,6 @@ from .layers import RMSNorm, linear
 from .mhc import HyperConnection, HyperHead, hc_post, hc_pre
 from .moe import MoE
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class Block(nn.Module):
@@ -95,7 +94,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        dtype = TORCH_DTYPES[cfg.dtype]
+        dtype = getattr(torch, cfg.dtype)  # config.DTYPES are torch dtype names
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=dtype)
         self.layers = nn.ModuleList(Block(cfg, i, dtype) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)

@@ -160,3 +160,11 @@ def test_flash_lite_is_flash_with_fewer_experts_and_fits_an_h200_with_room_for_c
     # 139 GiB of H200 memory, at least 40 GiB of it left for caches (and activations)
     assert device_parameter_bytes(lite) <= (139 - 40) * 2**30
     assert device_parameter_bytes(lite) == pytest.approx(78.71 * 2**30, rel=1e-3)
+
+
+def test_float64_is_the_reference_precision_of_quant_ref_only():
+    assert preset("tiny").replace(dtype="float64").quant == "ref"
+    with pytest.raises(ConfigError, match=re.escape("dtype: float64 is the reference precision of quant='ref' only")):
+        preset("tiny").replace(dtype="float64", quant="none")
+    with pytest.raises(ConfigError, match=re.escape("'float16' is not one of ('bfloat16', 'float32', 'float64')")):
+        preset("tiny").replace(dtype="float16")
