@@ -24,6 +24,23 @@ def printed_claims(block: str) -> list[str]:
     return [m.group(1).strip() for m in re.finditer(r"^print\(.*\)\s+#\s*(.*?)\s+on tiny\s*$", block, flags=re.M)]
 
 
+def make_run_sample() -> str:
+    """The README's sample output of `make run` (`megafuse run --config tiny`)."""
+    return README.read_text().split("$ make run", 1)[1].split("```", 1)[0]
+
+
+def test_the_make_run_sample_has_the_counts_of_tinys_compiled_step():
+    # tests/tools/test_run.py checks `step_counts` against a compile of the same tool on 5 layers
+    from megafuse import passes
+    from megafuse.model import preset
+    from tests.passes.tiny import step_counts
+
+    encoder, decoder = step_counts(preset("tiny"))
+    for name in passes.available():
+        two_buckets = 2 * (encoder[name] + decoder[name])
+        assert re.search(rf"│ {name}\s+│ {two_buckets}\s+│ 0\s+│", make_run_sample()), name
+
+
 def test_the_readme_has_the_blocks_this_test_runs():
     blocks = python_blocks()
     assert len(blocks) == 2, "a Python block was added or removed: run it here too"

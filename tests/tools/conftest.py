@@ -1,5 +1,6 @@
-"""Compiles are the cost of the tool tests (~1.5 min for `tiny` on CPU), so every test in this folder
-goes through one session-wide cache in place of `tools.common.compile_model`: the first request for a
+"""Compiles are the cost of the tool tests, so they run the tools on tiny's roles at 5 layers
+(`tiny_config`, a config JSON of `tests/passes/tiny.every_role_tiny`: a third of tiny's compile
+time), and every test in this folder goes through one session-wide cache in place of `tools.common.compile_model`: the first request for a
 (module, passes, device) compiles for real, later ones get the same compiled module back.
 
 The cache compiles with a dump directory of its own and copies those graphs to a caller's
@@ -10,12 +11,14 @@ shape it has seen compiles again, which would double the report.
 """
 
 import dataclasses
+import json
 import shutil
 
 import pytest
 import torch
 
 from megafuse.tools import common
+from tests.passes.tiny import every_role_tiny
 
 REAL_COMPILE = common.compile_model  # taken at import, before any test patches it
 
@@ -86,7 +89,16 @@ def cached_compiles(monkeypatch, compile_cache):
 
 
 @pytest.fixture(scope="session")
+def tiny_config(tmp_path_factory) -> str:
+    """`--config` for the tools: tiny's roles at 5 layers, as a config JSON (its name stays "tiny")."""
+    path = tmp_path_factory.mktemp("config") / "tiny5.json"
+    path.write_text(json.dumps(every_role_tiny().to_dict()))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny():
-    from megafuse.model import build_model, preset
+    """The model the tools build from `tiny_config` (seed 0, the tools' default)."""
+    from megafuse.model import build_model
     with torch.no_grad():
-        return build_model(preset("tiny"), seed=0)
+        return build_model(every_role_tiny(), seed=0)

@@ -1,4 +1,4 @@
-"""`megafuse ablate` on tiny (one block, to keep four compiles cheap): one row per configuration,
+"""`megafuse ablate` on tiny's roles (one SWA block, to keep eight compiles cheap): one row per configuration,
 matches equal to each compile's pass report, profiler kernel counts that agree with them, a PNG."""
 
 import json
@@ -22,16 +22,17 @@ def ablation(tmp_path_factory):
     return tmp_path_factory.mktemp("ablate")
 
 
-def test_ablate_has_one_row_per_configuration_with_counts_from_the_report(ablation, cached_compiles, tiny, capsys):
+def test_ablate_has_one_row_per_configuration_with_counts_from_the_report(ablation, cached_compiles, tiny, tiny_config,
+                                                                         capsys):
     out, png = ablation / "ablate.json", ablation / "ablate.png"
-    argv = ["ablate", "--config", "tiny", "--layer", "2", "--repeat", "1", "--json", str(out), "--png", str(png)]
+    argv = ["ablate", "--config", tiny_config, "--layer", "0", "--repeat", "1", "--json", str(out), "--png", str(png)]
     assert main(argv) == 0
     r = json.loads(out.read_text())
     assert set(r) == ABLATE_KEYS and r["schema"] == "megafuse.ablate/1"
     for key in ABLATE_KEYS | ROW_KEYS:  # the schema is the one documented
         assert key in ablate.__doc__, key
     swept = passes.available()
-    assert r["passes"] == swept and r["target"] == "layer 2" and r["png"] == str(png)
+    assert r["passes"] == swept and r["target"] == "layer 0" and r["png"] == str(png)
 
     # one row per distinct configuration; every configuration name maps to exactly one row
     expected = {"none", "all", *(f"only {p}" for p in swept), *(f"all but {p}" for p in swept)}
@@ -41,7 +42,7 @@ def test_ablate_has_one_row_per_configuration_with_counts_from_the_report(ablati
     for name, index in r["configurations"].items():
         assert [i for i, row in enumerate(rows) if name in row["names"]] == [index]
 
-    harness = LayerHarness(tiny.layers[2])
+    harness = LayerHarness(tiny.layers[0])
     for row in rows:
         assert set(row) == ROW_KEYS
         assert row["passes"] == [p for p in swept if p in row["passes"]]  # registry order

@@ -1,4 +1,4 @@
-"""`megafuse inspect` on tiny: index.json's schema, one entry per generated kernel with every match as
+"""`megafuse inspect` on tiny's roles at 5 layers: index.json's schema, one entry per generated kernel with every match as
 a site, sources that import under the Triton interpreter, file:line in the model's own source,
 each pass's before/after graphs, one layer on its own, --show."""
 
@@ -30,9 +30,9 @@ def _check_model_sources(kernels):
             assert 1 <= int(line) <= len(path.read_text().splitlines()), entry
 
 
-def test_inspect_out_writes_index_sources_and_graphs(tmp_path, cached_compiles, tiny, capsys):
+def test_inspect_out_writes_index_sources_and_graphs(tmp_path, cached_compiles, tiny, tiny_config, capsys):
     out = tmp_path / "inspect"
-    assert main(["inspect", "--config", "tiny", "--out", str(out)]) == 0
+    assert main(["inspect", "--config", tiny_config, "--out", str(out)]) == 0
     index = json.loads((out / "index.json").read_text())
     assert set(index) == INSPECT_KEYS and index["schema"] == "megafuse.inspect/1"
     for key in INSPECT_KEYS | KERNEL_KEYS:  # the schema is the one documented
@@ -78,18 +78,19 @@ def test_inspect_out_writes_index_sources_and_graphs(tmp_path, cached_compiles, 
     assert f"wrote {out / 'index.json'}" in printed.replace("\n", "")
 
 
-def test_inspect_one_layer_and_show_a_kernel(cached_compiles, capsys):
-    assert main(["inspect", "--config", "tiny", "--layer", "2", "--show", "mega_gate", "--json", "-"]) == 0
+def test_inspect_one_layer_and_show_a_kernel(cached_compiles, tiny_config, capsys):
+    # layer 0: the block `megafuse ablate`'s test compiled with every pass (the same cached compile)
+    assert main(["inspect", "--config", tiny_config, "--layer", "0", "--show", "mega_gate", "--json", "-"]) == 0
     captured = capsys.readouterr()
     r = json.loads(captured.out)
-    assert set(r) == INSPECT_KEYS and r["target"] == "layer 2"
+    assert set(r) == INSPECT_KEYS and r["target"] == "layer 0"
     assert r["counts"]["mega_gate"] == 1  # one MoE per block
     gate = next(k for k in r["kernels"] if k["pass"] == "mega_gate")
     _check_model_sources(r["kernels"])
     assert any(s.rsplit(":", 1)[0].endswith("moe.py") for s in gate["model_sources"])
     assert gate["name"] in captured.err and "@triton.jit" in captured.err  # --show, on stderr beside --json -
 
-    assert main(["inspect", "--config", "tiny", "--layer", "2", "--show", "nope"]) == 2
+    assert main(["inspect", "--config", tiny_config, "--layer", "0", "--show", "nope"]) == 2
     assert "valid kernels: " in (err := capsys.readouterr().err) and gate["name"] in err
 
 

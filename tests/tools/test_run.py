@@ -1,17 +1,17 @@
-"""`megafuse run` on tiny: the JSON schema, counts equal to the pass report, the comparison with eager
-over the prompt and every decode step, and an exit status that follows --tolerance."""
+"""`megafuse run` on tiny's roles at 5 layers: the JSON schema, counts equal to the pass report, the
+comparison with eager over the prompt and every decode step, and an exit status that follows
+--tolerance."""
 
 import json
 import re
-from pathlib import Path
 
 from megafuse import passes
 from megafuse.model import DecoderRegion, EncoderRegion
 from megafuse.passes.report import CompileReport
 from megafuse.tools import run
 from megafuse.tools.cli import main
-
-README = Path(__file__).resolve().parents[2] / "README.md"
+from tests.passes.tiny import step_counts
+from tests.test_readme import make_run_sample
 RUN_KEYS = {"schema", "config", "dtype", "quant", "device", "batch", "prompt_len", "decode_steps", "seed",
             "seq_len", "passes", "parameters", "cache", "graph", "counts", "report", "comparison", "timing", "generated",
             "exit_status", "environment"}
@@ -19,9 +19,9 @@ METRIC_KEYS = {"positions", "max_abs", "cosine_min", "cosine_mean", "top1_agreem
 TIMING_KEYS = {"ttft_s", "step_s", "per_token_s", "tokens_per_s"}
 
 
-def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_compiles, tiny, capsys):
+def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_compiles, tiny, tiny_config, capsys):
     out = tmp_path / "run.json"
-    assert main(["run", "--config", "tiny", "--prompt-len", "6", "--decode", "2", "--json", str(out)]) == 0
+    assert main(["run", "--config", tiny_config, "--prompt-len", "6", "--decode", "2", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert set(r) == RUN_KEYS and r["schema"] == "megafuse.run/2"
     for key in RUN_KEYS | METRIC_KEYS | TIMING_KEYS:  # the schema is the one documented
@@ -37,11 +37,13 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_c
     decoder = cached_compiles.report(DecoderRegion(tiny), passes.available())
     assert r["counts"] == r["report"]["counts"]
     assert r["counts"] == {name: encoder.counts()[name] + decoder.counts()[name] for name in r["counts"]}
-    # per bucket: layers 0..6 (encoder) and 7..11 (decoder) each have 2 seams, one gate and one
-    # attention per layer; the decoder region ends in the head's collapse, and the encoder region
-    # hands its last pre-mix to the decoder un-collapsed
-    assert encoder.counts() == {"mega_mhc": 2 * 14, "mega_gate": 2 * 7, "mega_attention": 2 * 7}
-    assert decoder.counts() == {"mega_mhc": 2 * 11, "mega_gate": 2 * 5, "mega_attention": 2 * 5}
+    # per bucket: layers 0..2 (encoder) and 3..4 (decoder), their seams, gates and attentions and
+    # the head's collapse (`step_counts`, which the README's sample of tiny's 12 layers follows too)
+    per_bucket = step_counts(tiny.cfg)
+    assert per_bucket == ({"mega_mhc": 6, "mega_gate": 3, "mega_attention": 3},
+                          {"mega_mhc": 5, "mega_gate": 2, "mega_attention": 2})
+    assert encoder.counts() == {name: 2 * n for name, n in per_bucket[0].items()}
+    assert decoder.counts() == {name: 2 * n for name, n in per_bucket[1].items()}
     for name, count in r["counts"].items():
         assert len(r["report"]["per_pass"][name]["matches"]) == count
 
@@ -74,19 +76,16 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_c
     printed = captured.out + captured.err  # results on stdout, progress ("compiling ...") on stderr
     for words in ("megafuse passes", "compiled vs eager logits", "step 2", "TTFT", "PASS", "compiling the step's 2 regions"):
         assert words in printed
-    # the README's sample of `make run` (the same tool on tiny, at 8 + 8 positions): its pass rows
-    # and the form of its verdict line are what this run prints
-    sample = README.read_text().split("$ make run", 1)[1].split("```", 1)[0]
-    for name in passes.available():
-        matches, rejected = re.search(rf"│ {name}\s+│ (\d+)\s+│ (\d+)", sample).groups()
-        assert re.search(rf"│ {name}\s+│ {matches}\s+│ {rejected}\s+│", captured.out), name
+    # the README's sample of `make run` (the same tool on tiny's 12 layers): the form of its verdict line
     verdict = r"PASS: max \|logits error\| \S+ <= tolerance \S+; top-1 agreement 100\.0% over \d+ positions; exit status 0"
-    assert re.search(verdict, sample) and re.search(verdict, " ".join(captured.out.split()))  # (wrapped or not)
+    assert re.search(verdict, make_run_sample()) and re.search(verdict, " ".join(captured.out.split()))  # (wrapped or not)
+    for name in passes.available():
+        assert re.search(rf"│ {name}\s+│ {r['counts'][name]}\s+│ 0\s+│", captured.out), name
 
 
-def test_run_exit_status_follows_the_tolerance(cached_compiles, capsys):
+def test_run_exit_status_follows_the_tolerance(cached_compiles, tiny_config, capsys):
     # prompt 6, no decode: the prefill bucket compiled above (no new compile)
-    status = main(["run", "--config", "tiny", "--prompt-len", "6", "--decode", "0", "--tolerance", "0", "--json", "-"])
+    status = main(["run", "--config", tiny_config, "--prompt-len", "6", "--decode", "0", "--tolerance", "0", "--json", "-"])
     captured = capsys.readouterr()
     r = json.loads(captured.out)  # JSON alone on stdout, the tables went to stderr
     exceeded = r["comparison"]["overall"]["max_abs"] > 0
