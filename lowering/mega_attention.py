@@ -79,6 +79,7 @@ class AttentionSpec:
     key_dtype: str  # q's and the keys' dtype (the chain upcasts both to fp32)
     out_dtype: str  # the dtype the chain rounds o to before its quantisation
     mxfp8: bool  # round the output through MXFP8 (quant="ref")
+    q_rope: bool = False  # rotate q's tail by +angle first (the chain's RoPE of q, rounded to key_dtype)
 
     def key(self) -> str:
         """Short stable hash of the spec and of the generator's template (file names, memo keys)."""
@@ -101,6 +102,8 @@ def unsupported_reason(spec: AttentionSpec) -> str | None:
         return f"head_dim {spec.head_dim} must be a power of two in 16..{MAX_HEAD_DIM} (one register tile per head)"
     if spec.rope_dim < 0 or spec.rope_dim % 2 or spec.rope_dim > spec.head_dim:
         return f"rope_dim {spec.rope_dim} must be even and within head_dim {spec.head_dim}"
+    if spec.q_rope and not spec.rope_dim:
+        return "the q RoPE needs rope_dim > 0"
     if spec.mxfp8 and spec.head_dim % MXFP8_BLOCK:
         return f"MXFP8 blocks of {MXFP8_BLOCK} must tile head_dim {spec.head_dim}"
     if not abs(spec.scale) < float("inf"):
@@ -160,6 +163,18 @@ def _dot16(a, b, acc, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _rope_pairs(x, row, cos_ptr, sin_ptr, stride_angle_row, BLOCK_H: tl.constexpr):
+    """x [BLOCK_H, DH] fp32 as its (even, odd) elements [BLOCK_H, HALF] and the row's cos and sin
+    [1, HALF]: 1 and 0 outside the rotated tail, so a rotation leaves those pairs as they are."""
+    even, odd = tl.split(tl.reshape(x, (BLOCK_H, HALF, 2)))
+    angle = tl.arange(0, HALF) - (HALF - ROPE_PAIRS)
+    rotated = angle >= 0
+    cos = tl.load(cos_ptr + row * stride_angle_row + angle, mask=rotated, other=1.0)[None, :]
+    sin = tl.load(sin_ptr + row * stride_angle_row + angle, mask=rotated, other=0.0)[None, :]
+    return even, odd, cos, sin
+
+
+@triton.jit
 def _finish(o, row, heads, head_ok, dims, cos_ptr, sin_ptr, out_ptr, stride_angle_row, stride_out_row,
             stride_out_head, BLOCK_H: tl.constexpr):
     """The epilogue on o [BLOCK_H, DH] fp32: inverse RoPE, the rounding, MXFP8, the store."""
@@ -184,6 +199,7 @@ def $KERNEL(q_ptr, k_ptr, valid_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, m_ptr,
     dims = tl.arange(0, DH)
     q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + dims[None, :],
                 mask=head_ok[:, None], other=0.0)
+$Q_ROPE_LINES
     # the running max starts at the sink (a finite lower bound of the final max in every split); the
     # sink's e^(sink - m) starts the running sum at 1 where one program sees all keys, else the
     # combine adds it once
@@ -240,13 +256,14 @@ def ${KERNEL}_combine(sink_ptr, cos_ptr, sin_ptr, out_ptr, m_ptr, l_ptr, part_pt
 ''')
 
 _ROPE_LINES = '''    # inverse RoPE of the tail: pair i = (2i, 2i + 1), rotated by -angle
-    pairs = tl.reshape(o, (BLOCK_H, HALF, 2))
-    even, odd = tl.split(pairs)
-    angle = tl.arange(0, HALF) - (HALF - ROPE_PAIRS)
-    rotated = angle >= 0
-    cos = tl.load(cos_ptr + row * stride_angle_row + angle, mask=rotated, other=1.0)[None, :]
-    sin = tl.load(sin_ptr + row * stride_angle_row + angle, mask=rotated, other=0.0)[None, :]
+    even, odd, cos, sin = _rope_pairs(o, row, cos_ptr, sin_ptr, stride_angle_row, BLOCK_H)
     o = tl.reshape(tl.join(even * cos + odd * sin, odd * cos - even * sin), (BLOCK_H, DH))'''
+
+# The chain's RoPE of q (model.rope.apply_rope): the tail's pairs rotated by +angle in fp32 and
+# rounded back to q's dtype, once per program, before the first score.
+_Q_ROPE_LINES = '''    even, odd, cos, sin = _rope_pairs(q.to(tl.float32), row, cos_ptr, sin_ptr, stride_angle_row, BLOCK_H)
+    q = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), (BLOCK_H, DH))
+    q = $Q_ROUND.to(q_ptr.dtype.element_ty)'''
 
 # P V: fp32 keys multiply fp32 p at fp32-level accuracy (tf32x3). 16-bit keys are exact in the MMA's
 # own dtype, so q K^T is one 16-bit MMA with fp32 accumulation (exact products, as the chain's fp32
@@ -275,6 +292,10 @@ def generate_source(spec: AttentionSpec) -> str:
     if spec.out_dtype in _ROUNDING:
         round_lines = f"    o = _round_{spec.out_dtype}(o)  # the chain's o.to({spec.out_dtype}), in fp32 registers"
     mxfp8_lines = "    o = _mxfp8(o, BLOCK_H)  # quant=\"ref\": MXFP8 in WO-A's input layout" if spec.mxfp8 else ""
+    q_rope_lines = ""
+    if spec.q_rope:
+        q_round = f"_round_{spec.key_dtype}(q)" if spec.key_dtype in _ROUNDING else "q"
+        q_rope_lines = string.Template(_Q_ROPE_LINES).substitute(Q_ROUND=q_round)
     spec_line = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(spec).items())
     sixteen = spec.key_dtype != "float32"
     pv_lines = string.Template(_PV_16BIT).substitute(KEY_DTYPE=spec.key_dtype) if sixteen else _PV_FP32
@@ -284,7 +305,7 @@ def generate_source(spec: AttentionSpec) -> str:
         KEY=spec.key(), SPEC_LINE=spec_line, KERNEL=KERNEL_NAME, H=spec.heads, DH=spec.head_dim,
         HALF=spec.head_dim // 2, ROPE_PAIRS=spec.rope_dim // 2, SCALE=repr(float(spec.scale)),
         AMAX_FLOOR=repr(quant._FP8_AMAX_FLOOR), ROPE_LINES=_ROPE_LINES if spec.rope_dim else "",
-        ROUND_LINES=round_lines, MXFP8_LINES=mxfp8_lines)
+        ROUND_LINES=round_lines, MXFP8_LINES=mxfp8_lines, Q_ROPE_LINES=q_rope_lines)
 
 
 def kernel_name(spec: AttentionSpec) -> str:
@@ -420,6 +441,8 @@ def _next_pow2(n: int) -> int:
 def reference(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
               angles: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """The chain in plain torch, from the model's own functions (`Attention._output` before WO-A)."""
+    if spec.q_rope:
+        q = apply_rope(q, angles[:, None, :])
     o = sparse_attention_with_sink(q[None], keys[None], valid[None], sink, spec.scale)[0]
     if spec.rope_dim:
         o = apply_rope(o, angles[:, None, :], inverse=True)

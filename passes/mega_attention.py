@@ -2,6 +2,7 @@
 
 Pattern (post-grad ATen graph, anchored at the P V `aten.bmm`), each query row with its own key rows:
 
+    q   = cat(x[..., :-rd], RoPE(x[..., -rd:]))    optional: q's RoPE by the output's own angles, rounded to x's dtype
     s   = (q . k_j) * scale          bmm of q [.., R, H, Dh] and the keys [.., R, J, Dh], a scalar multiply
     s   = where(~valid, -inf, s)      valid [.., R, J] bool, broadcast over the heads
     m   = maximum(amax(s, -1), sink)  sink: one value per head
@@ -15,15 +16,17 @@ Views, permutes and converts sit between the pieces (the einsums decompose into 
 follows them and checks, through `graph.source_dims`, that each operand reaches its bmm with its
 dims in the order the maths needs (rows as the batch, heads as M, keys as N, Dh contracted).
 
-Replacement: `out = megafuse::mega_attention(q, keys, valid, sink, angles, scale, out_dtype, mxfp8)`
+Replacement: `out = megafuse::mega_attention(q, keys, valid, sink, angles, scale, out_dtype, mxfp8, q_rope)`
 on the tensors the chain starts from (one leading shape of rows for all of them), whose reference
 is `lowering.mega_attention.reference` (the model's own functions); Inductor lowers it to the kernel
 `lowering.mega_attention` generates; `mxfp8` is True where quant="ref"'s MXFP8 rounding follows
 (`model.quant.fake_quant_mxfp8` on the output in WO-A's group layout: its blocks of 32 lie within a
 head). The quantiser's scale rule is checked by running the graph's own scale ops on probe values
 (`_computes`), so a rule that differs anywhere (another floor, rounding the exponent down) stays
-unfused with the reason. The q RoPE, the row gathers and the byte decodes before the chain stay
-unfused.
+unfused with the reason. Where q is that RoPE of x by the angles of the inverse RoPE and private
+to the chain, the op takes x and `q_rope=True` (its kernel rotates q in its prologue); otherwise q's
+RoPE stays outside and the spec's `left_unfused` says why. The row gathers and the byte decodes
+before the chain stay unfused.
 
 The dense form (HF transformers' DeepseekV4: [batch, heads, queries, keys], one key head for all
 the queries, an additive mask, the sink as the softmax's last column, a rotate-half inverse RoPE)
@@ -209,15 +212,33 @@ def _mxfp8_tail(final: fx.Node, head_dim: int) -> tuple[fx.Node, list[fx.Node], 
     return end, nodes, reshape
 
 
-def _candidate(gemm: fx.Node, chain: list[fx.Node], final: fx.Node, spec, inputs: dict, **fields) -> Candidate:
+_BEFORE_THE_SCORES = "the row gathers and byte decodes before the scores"
+
+
+def _candidate(gemm: fx.Node, chain: list[fx.Node], final: fx.Node, spec, inputs: dict,
+               left_unfused: tuple[str, ...] = (), **fields) -> Candidate:
     """The match, once every intermediate of the chain is known to be private to it."""
     inside = set(chain) | {final}
     nodes = [n for n in gemm.graph.nodes if n in inside]
     for node in nodes:
         if node is not final and not all(user in inside for user in node.users):
             raise NoMatch(f"intermediate {node.name} is also used outside the attention chain")
-    return Candidate(gemm, nodes, spec, inputs=inputs,
-                     left_unfused=["the q RoPE, the row gathers and byte decodes before the scores"], **fields)
+    return Candidate(gemm, nodes, spec, inputs=inputs, left_unfused=[*left_unfused, _BEFORE_THE_SCORES], **fields)
+
+
+def _q_rope(q: fx.Node, head_dim: int, rope_dim: int, angles: fx.Node, rows: list) -> tuple[fx.Node, list[fx.Node]]:
+    """(q before its RoPE, the RoPE's nodes) where q is `apply_rope` of it by the very angles the
+    output is rotated back by (the op takes them once); NoMatch(why the q RoPE stays unfused)."""
+    kept = q.args[0][0] if is_op(q, aten.cat) and len(q.args[0]) == 2 else None
+    if kept is None or _slice_range(kept, head_dim) is None:
+        raise NoMatch("q is not a kept part and a rotated tail joined (no RoPE of q in the graph)")
+    x = kept.args[0]
+    joined, q_angles, rd, nodes = _rope(x, head_dim, inverse=False)
+    if joined is not q or rd != rope_dim or dims(x) != dims(q):
+        raise NoMatch(f"q's RoPE rotates {rd} dims, not the output's {rope_dim}")
+    if _cut(walk(q_angles), rows, [rd // 2], "q's angles", broadcast=True)[-1] is not angles:
+        raise NoMatch("q is rotated by other angles than the output is rotated back by")
+    return x, nodes
 
 
 def _viewed_fake(t, views: list):
@@ -270,11 +291,13 @@ def _slice_range(node: fx.Node, size: int) -> tuple[int, int] | None:
     return norm(start), norm(end)
 
 
-def _inverse_rope(o: fx.Node, head_dim: int) -> tuple[fx.Node, fx.Node, int, list[fx.Node]]:
-    """(the rotated-back output, the angles' node, rope_dim, the nodes) of the inverse RoPE on o."""
+def _rope(o: fx.Node, head_dim: int, inverse: bool = True) -> tuple[fx.Node, fx.Node, int, list[fx.Node]]:
+    """(the joined result, the angles' node, rope_dim, the nodes) of the RoPE on o's tail
+    (`model.rope.apply_rope`): by -angle (`inverse`, the output; sin negated) or by +angle (q)."""
+    what, sine = ("the attention output", "-sin") if inverse else ("q", "sin")
     slices = {n: _slice_range(n, head_dim) for n in o.users}
     if len(slices) != 2 or None in slices.values():
-        raise NoMatch("the attention output is not split into a kept part and a rotated part (no inverse RoPE)")
+        raise NoMatch(f"{what} is not split into a kept part and a rotated part (no {'inverse ' * inverse}RoPE)")
     kept, rotated = sorted(slices, key=lambda n: slices[n])
     if slices[kept][0] != 0 or slices[kept][1] != slices[rotated][0] or slices[rotated][1] != head_dim:
         raise NoMatch(f"the output is split into {sorted(slices.values())}: not [0, h) kept and [h, head_dim) rotated")
@@ -292,21 +315,23 @@ def _inverse_rope(o: fx.Node, head_dim: int) -> tuple[fx.Node, fx.Node, int, lis
     for x in (even, odd):
         for mul in x.users:
             other = _other(mul, x) if is_op(mul, aten.mul) else None
-            if other is None or not (is_op(other, aten.cos) or is_op(other, aten.neg) and is_op(other.args[0], aten.sin)):
-                raise NoMatch(f"{x.name} is not multiplied by the angles' cos or -sin")
+            is_sine = is_op(other, aten.neg) and is_op(other.args[0], aten.sin) if inverse else is_op(other, aten.sin)
+            if other is None or not (is_op(other, aten.cos) or is_sine):
+                raise NoMatch(f"{x.name} is not multiplied by the angles' cos or {sine}")
             products[(x is odd, "cos" if is_op(other, aten.cos) else "sin")] = (mul, other)
     if len(products) != 4:
-        raise NoMatch("the pairs are not rotated (each element times cos and times -sin)")
-    cos, neg_sin = products[(False, "cos")][1], products[(False, "sin")][1]
+        raise NoMatch(f"the pairs are not rotated (each element times cos and times {sine})")
+    cos, sin = products[(False, "cos")][1], products[(False, "sin")][1]
     angles = cos.args[0]
-    if neg_sin.args[0].args[0] is not angles or products[(True, "cos")][1] is not cos or products[(True, "sin")][1] is not neg_sin:
+    sin_of = sin.args[0] if inverse else sin
+    if sin_of.args[0] is not angles or products[(True, "cos")][1] is not cos or products[(True, "sin")][1] is not sin:
         raise NoMatch("the rotation's cos and sin are not of one angle tensor")
-    new_even = next(iter(products[(False, "cos")][0].users))  # even cos - odd (-sin)
-    new_odd = next(iter(products[(True, "cos")][0].users))  # even (-sin) + odd cos
+    new_even = sole_user(products[(False, "cos")][0])  # even cos - odd sin'
+    new_odd = sole_user(products[(True, "cos")][0])  # even sin' + odd cos   (sin' = sin, or -sin for the inverse)
     if not (is_op(new_even, aten.sub) and new_even.args == (products[(False, "cos")][0], products[(True, "sin")][0])):
-        raise NoMatch("the even elements are not rotated back as even cos - odd (-sin)")
+        raise NoMatch(f"the even elements are not rotated as even cos - odd ({sine})")
     if not (is_op(new_odd, aten.add) and set(new_odd.args[:2]) == {products[(False, "sin")][0], products[(True, "cos")][0]}):
-        raise NoMatch("the odd elements are not rotated back as even (-sin) + odd cos")
+        raise NoMatch(f"the odd elements are not rotated as even ({sine}) + odd cos")
     ups = [next(iter(x.users)) if len(x.users) == 1 else None for x in (new_even, new_odd)]
     cat = next(iter(ups[0].users)) if ups[0] is not None and len(ups[0].users) == 1 else None
     if not (is_op(cat, aten.cat) and list(cat.args[0]) == ups and all(is_op(u, aten.unsqueeze) for u in ups)):
@@ -319,9 +344,11 @@ def _inverse_rope(o: fx.Node, head_dim: int) -> tuple[fx.Node, fx.Node, int, lis
     if not (is_op(joined, aten.cat) and list(joined.args[0]) == [kept, back[-1]]
             and is_last_dim(joined.args[1] if len(joined.args) > 1 else 0, joined)):
         raise NoMatch("the kept part and the rotated tail are not joined back as [kept, rotated]")
-    if dtype(back[-1]) != torch.float32 or dtype(kept) != torch.float32:
+    if inverse and (dtype(back[-1]) != torch.float32 or dtype(kept) != torch.float32):
         raise NoMatch("the inverse RoPE is rounded before the join: not where the kernel rounds")
-    nodes = [*slices, pairs, even, odd, *(m for m, _ in products.values()), cos, neg_sin, neg_sin.args[0],
+    if not inverse and not dtype(back[-1]) == dtype(kept) == dtype(o):
+        raise NoMatch(f"q's rotated tail is joined as {dtype(back[-1])}, not in q's {dtype(o)} (where the kernel rounds it)")
+    nodes = [*slices, pairs, even, odd, *(m for m, _ in products.values()), cos, sin, *([sin.args[0]] if inverse else []),
              new_even, new_odd, *ups, *back, joined]
     if pairs.args[0] is not rotated:
         nodes.append(pairs.args[0])
@@ -628,7 +655,7 @@ class MegaAttentionPass(FusionPass):
         _named_order(valid_path, "rj", "rj", "the mask")
         if dtype(valid) != torch.bool:
             raise NoMatch(f"the mask is {dtype(valid)}, not bool")
-        joined, angles_b, rope_dim, rope_nodes = _inverse_rope(o, head_dim)
+        joined, angles_b, rope_dim, rope_nodes = _rope(o, head_dim)
         angles = _cut(walk(angles_b), rows, [rope_dim // 2], "the angles", broadcast=True)[-1]
         if dtype(angles) != torch.float32:
             raise NoMatch(f"the angles are {dtype(angles)}: the rotation the kernel reproduces runs in fp32")
@@ -646,11 +673,19 @@ class MegaAttentionPass(FusionPass):
                  masked.args[0], scaled, *s_path, *q_path[:-1], *k_path[:-1], *v_path[:-1], *o_path[1:], *rope_nodes,
                  cast, *(tail_nodes if tail else ()), final]
         chain += [n for x in (amax, total) for n in per_row(x, masked if x is amax else exp_s, ("amax", "max", "sum"))]
-        spec = ops.attention_spec(val(q), val(angles), float(scalar(scaled.args[1])),
-                                  str(dtype(cast)).removeprefix("torch."), tail is not None)
-        return _candidate(gemm, chain, final, spec, {"q": q, "keys": keys, "valid": valid, "sink": sink_path[-1],
-                                                     "angles": angles},
-                          outputs={"out": final, "shape_of": tail[2] if tail else None}, insert_before=cast)
+
+        def candidate(q_in: fx.Node, q_nodes: list[fx.Node], left_unfused: tuple[str, ...]) -> Candidate:
+            spec = ops.attention_spec(val(q_in), val(angles), float(scalar(scaled.args[1])),
+                                      str(dtype(cast)).removeprefix("torch."), tail is not None, q_in is not q)
+            inputs = {"q": q_in, "keys": keys, "valid": valid, "sink": sink_path[-1], "angles": angles}
+            return _candidate(gemm, chain + q_nodes, final, spec, inputs, left_unfused,
+                              outputs={"out": final, "shape_of": tail[2] if tail else None}, insert_before=cast)
+
+        # 5. q's RoPE by the same angles, where it is private to the chain; else it stays unfused.
+        try:
+            return candidate(*_q_rope(q, head_dim, rope_dim, angles, rows), ())
+        except NoMatch as e:
+            return candidate(q, [], (f"the q RoPE: {e.reason}",))
 
     def _dense(self, gemm, pv, p, v, pv_nodes) -> Candidate:
         d = _dense_candidate(gemm, pv, p, v, pv_nodes)
@@ -661,9 +696,10 @@ class MegaAttentionPass(FusionPass):
         views = d["views"]
         q_rows = _viewed_fake(val(d["q"]), views["q"])
         spec = ops.attention_spec(q_rows, val(d["angles"]), d["scale"], str(dtype(d["joined"])).removeprefix("torch."),
-                                  False)
+                                  False, False)
         inputs = {name: d[name] for name in ("q", "keys", "valid", "sink", "angles")}
         return _candidate(gemm, d["chain"], d["joined"], spec, inputs | {"views": views},
+                          ("the q RoPE: HF rotates q before its [batch, heads, queries] transpose (not matched)",),
                           outputs={"out": d["joined"], "shape_of": None}, insert_before=d["joined"])
 
     def check(self, candidate: Candidate) -> str | None:

@@ -236,20 +236,23 @@ _bind(torch.ops.megafuse.mega_mhc.default, torch.ops.megafuse.mega_mhc_kernel.de
 # The keys, the mask and the angles may broadcast against the rows where their leading dim is 1:
 # one position per token for every sequence of a batch (angles [1, T, ..] for q [B, T, ..]), one
 # key set per sequence for all its queries (HF's dense layout: keys [B, 1, J, Dh]).
-# The shapes bind heads, head_dim and rope_dim; the scalars the rest.
+# The shapes bind heads, head_dim and rope_dim; the scalars the rest. With q_rope, q is the query
+# before its RoPE (the op rotates its tail by the same angles the output is rotated back by).
 
-ATTENTION_SCALARS = ("scale", "out_dtype", "mxfp8")
+ATTENTION_SCALARS = ("scale", "out_dtype", "mxfp8", "q_rope")
 
 
-def attention_spec(q: torch.Tensor, angles: torch.Tensor, scale: float, out_dtype: str,
-                   mxfp8: bool) -> "attention_kernels.AttentionSpec":
-    return _attention_spec(q.shape[-2], q.shape[-1], angles.shape[-1] * 2, q.dtype, scale, out_dtype, mxfp8)
+def attention_spec(q: torch.Tensor, angles: torch.Tensor, scale: float, out_dtype: str, mxfp8: bool,
+                   q_rope: bool) -> "attention_kernels.AttentionSpec":
+    return _attention_spec(q.shape[-2], q.shape[-1], angles.shape[-1] * 2, q.dtype, scale, out_dtype, mxfp8, q_rope)
 
 
 @functools.cache  # one spec per site, asked for on every call of the op
-def _attention_spec(heads, head_dim, rope_dim, key_dtype, scale, out_dtype, mxfp8) -> "attention_kernels.AttentionSpec":
+def _attention_spec(heads, head_dim, rope_dim, key_dtype, scale, out_dtype, mxfp8,
+                    q_rope) -> "attention_kernels.AttentionSpec":
     return attention_kernels.AttentionSpec(heads=heads, head_dim=head_dim, rope_dim=rope_dim, scale=scale,
-                                           key_dtype=_dtype_name(key_dtype), out_dtype=out_dtype, mxfp8=mxfp8)
+                                           key_dtype=_dtype_name(key_dtype), out_dtype=out_dtype, mxfp8=mxfp8,
+                                           q_rope=q_rope)
 
 
 def attention_scalars(spec: "attention_kernels.AttentionSpec") -> tuple:
@@ -305,17 +308,19 @@ def attention_unsupported(q, keys, valid, sink, angles, *scalars) -> str | None:
 
 @torch.library.custom_op("megafuse::mega_attention", mutates_args=())
 def mega_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                   angles: torch.Tensor, scale: float, out_dtype: str, mxfp8: bool) -> torch.Tensor:
-    """Sparse attention with the sink + inverse RoPE + the cast (+ MXFP8): the torch reference."""
-    return _run_attention(attention_kernels.reference, q, keys, valid, sink, angles, (scale, out_dtype, mxfp8))
+                   angles: torch.Tensor, scale: float, out_dtype: str, mxfp8: bool, q_rope: bool) -> torch.Tensor:
+    """(q RoPE +) sparse attention with the sink + inverse RoPE + the cast (+ MXFP8): the torch reference."""
+    return _run_attention(attention_kernels.reference, q, keys, valid, sink, angles, (scale, out_dtype, mxfp8, q_rope))
 
 
 def mega_attention_kernel(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                          angles: torch.Tensor, scale: float, out_dtype: str, mxfp8: bool) -> torch.Tensor:
-    return _run_attention(attention_kernels.mega_attention, q, keys, valid, sink, angles, (scale, out_dtype, mxfp8))
+                          angles: torch.Tensor, scale: float, out_dtype: str, mxfp8: bool,
+                          q_rope: bool) -> torch.Tensor:
+    return _run_attention(attention_kernels.mega_attention, q, keys, valid, sink, angles,
+                          (scale, out_dtype, mxfp8, q_rope))
 
 
-def attention_fake(q, keys, valid, sink, angles, scale, out_dtype, mxfp8):
+def attention_fake(q, keys, valid, sink, angles, scale, out_dtype, mxfp8, q_rope):
     return q.new_empty(q.shape, dtype=attention_kernels.DTYPES[out_dtype])
 
 

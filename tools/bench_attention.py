@@ -5,8 +5,8 @@
 
 V4.1-Flash attention: 64 heads x 512, a 64-dim RoPE tail, 640 keys per query row (128 SWA + 512
 global rows), bf16 q and keys, one sink per head, bf16 out. The chain is `mega_attention.reference`
-(the model's sparse attention with the sink in fp32, inverse RoPE, the cast): what the pass
-replaces. The kernel reads keys already gathered and decoded; the gathers and the FP8 / FP4 decodes
+(the model's RoPE of q, sparse attention with the sink in fp32, inverse RoPE, the cast): what the
+pass replaces. The kernel reads keys already gathered and decoded; the gathers and the FP8 / FP4 decodes
 stay outside both sides of the comparison. For each T (query rows):
 
 1. correctness first: the kernel against the chain on random inputs (70% of keys valid, row 0
@@ -37,10 +37,10 @@ from megafuse.tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, op
 from megafuse.tools.common import positive_ints
 
 V4 = ma.AttentionSpec(heads=64, head_dim=512, rope_dim=64, scale=512 ** -0.5, key_dtype="bfloat16",
-                      out_dtype="bfloat16", mxfp8=False)
+                      out_dtype="bfloat16", mxfp8=False, q_rope=True)
 KEYS = 128 + 512
 TOY = ma.AttentionSpec(heads=4, head_dim=64, rope_dim=16, scale=64 ** -0.5, key_dtype="bfloat16",
-                       out_dtype="bfloat16", mxfp8=False)
+                       out_dtype="bfloat16", mxfp8=False, q_rope=True)
 TOY_KEYS = 100
 TOKENS = (1, 16, 64, 128, 512, 4096)
 BF16_TFLOPS = 660.0  # dense bf16 MMA, the H200's sustained rate (GPU.md)

@@ -106,7 +106,7 @@ def build_gate(input_dtype: str, T: int) -> offline.Build:
 
 
 ATTENTION_SPEC = mega_attention.AttentionSpec(heads=HEADS, head_dim=HEAD_DIM, rope_dim=ROPE_DIM, scale=HEAD_DIM ** -0.5,
-                                              key_dtype="bfloat16", out_dtype="bfloat16", mxfp8=False)
+                                              key_dtype="bfloat16", out_dtype="bfloat16", mxfp8=False, q_rope=True)
 
 
 def build_attention(T: int) -> list[offline.Build]:

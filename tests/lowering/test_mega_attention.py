@@ -18,6 +18,7 @@ from megafuse.lowering import kernel_cache
 from megafuse.lowering.mega_attention import (AttentionSpec, choose_config, generate_source, mega_attention, reference,
                                               unsupported_reason)
 from megafuse.model import quant
+from megafuse.model.rope import apply_rope
 from tests.marks import slow_beyond
 
 
@@ -43,10 +44,10 @@ def make_inputs(R, H, Dh, rd, J, dtype, seed, p_valid=0.7):
     return q, keys, valid, sink, angles
 
 
-def spec_for(H, Dh, rd, dtype, out_dtype=None, mxfp8=False):
+def spec_for(H, Dh, rd, dtype, out_dtype=None, mxfp8=False, q_rope=False):
     name = str(dtype).removeprefix("torch.")
     return AttentionSpec(heads=H, head_dim=Dh, rope_dim=rd, scale=Dh ** -0.5, key_dtype=name,
-                         out_dtype=out_dtype or name, mxfp8=mxfp8)
+                         out_dtype=out_dtype or name, mxfp8=mxfp8, q_rope=q_rope)
 
 
 # (R, H, Dh, rope_dim, J): tiny's attention (4 heads x 64, rd 16) with its window + top-k keys; a head
@@ -81,6 +82,25 @@ def test_bf16_epilogue_rounds_like_torch_and_the_output_matches_the_chain(R, H, 
         gap = (got.float() - want.float()).abs()[differs]
         assert bool((gap <= step * want.float().abs()[differs].clamp(min=2.0 ** -9) * 1.01).all())
     assert int(differs.sum()) <= max(2, differs.numel() // 100)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_q_rope_in_the_prologue_rotates_q_as_the_chain_does(dtype, splits):
+    """q_rope: the kernel on q before its RoPE equals the kernel on q rotated (and rounded) by
+    apply_rope, and the chain; in bf16 the rotated q is rounded to bf16 as the chain rounds it."""
+    R, H, Dh, rd, J = 4, 4, 64, 16, 40
+    q, keys, valid, sink, angles = make_inputs(R, H, Dh, rd, J, dtype, seed=11)
+    spec = spec_for(H, Dh, rd, dtype, out_dtype="float32", q_rope=True)
+    config = choose_config(spec, R, J, splits, device="cpu")
+    got = mega_attention(q, keys, valid, sink, angles, spec, config)
+    roped = apply_rope(q, angles[:, None, :])
+    assert not torch.equal(roped, q)
+    rotated_first = mega_attention(roped, keys, valid, sink, angles, spec_for(H, Dh, rd, dtype, out_dtype="float32"), config)
+    want = reference(q, keys, valid, sink, angles, spec)
+    assert float((got - rotated_first).abs().max()) <= 1e-6 * max(1.0, float(want.abs().max()))
+    assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -143,7 +163,8 @@ def test_unsupported_specs_and_bad_inputs_are_named():
     assert unsupported_reason(good) is None
     for change, message in ((dict(head_dim=48), "power of two"), (dict(rope_dim=15), "even"),
                             (dict(rope_dim=80), "within head_dim"), (dict(key_dtype="int8"), "not supported"),
-                            (dict(heads=0), "at least one"), (dict(head_dim=16, mxfp8=True), "MXFP8 blocks")):
+                            (dict(heads=0), "at least one"), (dict(head_dim=16, mxfp8=True), "MXFP8 blocks"),
+                            (dict(rope_dim=0, q_rope=True), "q RoPE needs rope_dim")):
         spec = AttentionSpec(**{**good.__dict__, **change})
         assert message in unsupported_reason(spec)
         with pytest.raises(ValueError, match=message):

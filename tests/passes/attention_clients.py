@@ -91,6 +91,23 @@ class ForwardRope(AttentionChain):
         return apply_rope(o, angles[:, :, None, :])
 
 
+class RopedQChain(AttentionChain):
+    """The chain from q before its RoPE (`Attention._project` rotates q, then `_output` attends)."""
+
+    def q_angles(self, angles):
+        return angles
+
+    def forward(self, q, keys, valid, angles):
+        return super().forward(apply_rope(q, self.q_angles(angles)[:, :, None, :]), keys, valid, angles)
+
+
+class RopedQOtherAngles(RopedQChain):
+    """Near miss for the q RoPE only: q is rotated by other angles than the output is rotated back by."""
+
+    def q_angles(self, angles):
+        return angles * 2
+
+
 class AttentionChainMxfp8(AttentionChain):
     """The chain under quant="ref": the cast output through MXFP8 in WO-A's group layout."""
 

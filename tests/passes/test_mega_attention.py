@@ -10,7 +10,8 @@ from megafuse.lowering import kernel_cache
 from megafuse.model import build_model
 from tests.passes.attention_clients import (AttentionChain, AttentionChainMxfp8, FloorScaleMxfp8, ForwardRope,
                                             HFDenseChain, HFForwardRope, HFSinkKept, NoSinkInDenominator, NoSinkInMax,
-                                            RopeOnHead, SoftmaxOverHeads, ValuesNotKeys)
+                                            RopedQChain, RopedQOtherAngles, RopeOnHead, SoftmaxOverHeads,
+                                            ValuesNotKeys)
 from tests.passes.cuda_forms import TORCH_2_11_FORMS
 from tests.passes.online_softmax import online_softmax
 from tests.passes.post_grad import fuse
@@ -66,6 +67,34 @@ def test_the_model_chain_fuses_once_and_equals_it(dtype, tol):
     assert out.dtype == dtype and out.shape == want.shape
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))  # no valid key, and the sink: exactly 0
     assert _rel(out, want) <= tol
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_the_q_rope_by_the_outputs_angles_fuses_into_the_prologue(dtype, tol):
+    module = RopedQChain(HEADS, HEAD_DIM, out_dtype=dtype)
+    args = _inputs(2, 3, dtype, seed=7)
+    fused, out = _run_fused(module, args)
+    assert fused.report.counts() == {"mega_attention": 1}
+    match = fused.report.matches("mega_attention")[0]
+    assert match.spec["q_rope"] is True
+    assert not any("q RoPE" in part for part in match.spec["left_unfused"])
+    graph = fused.post_grad_graphs[0]
+    for gone in ("aten.cos", "aten.sin", "aten.cat", "aten.bmm"):  # both rotations are in the op
+        assert gone not in graph, gone
+    assert _rel(out, module(*args)) <= tol
+    # the op's q is the query before its RoPE: rotating q again outside would change the output
+    assert _rel(out, AttentionChain(HEADS, HEAD_DIM, out_dtype=dtype)(*args)) > 1e-2
+
+
+def test_a_q_rope_by_other_angles_stays_unfused_and_the_attention_still_fuses():
+    module = RopedQOtherAngles(HEADS, HEAD_DIM)
+    args = _inputs(2, 3, torch.float32, seed=7)
+    fused, out = _run_fused(module, args)
+    assert fused.report.counts() == {"mega_attention": 1}
+    match = fused.report.matches("mega_attention")[0]
+    assert match.spec["q_rope"] is False
+    assert match.spec["left_unfused"][0] == "the q RoPE: q is rotated by other angles than the output is rotated back by"
+    assert _rel(out, module(*args)) <= 1e-5
 
 
 def test_one_row_per_step_fuses():
@@ -170,6 +199,7 @@ def test_every_attention_layer_of_a_quant_ref_model_fuses_with_its_mxfp8(tiny_fp
         logits, want = fused(ids), model(ids)
     assert fused.report.counts() == {"mega_attention": cfg.n_layers}, fused.report.rejections("mega_attention")
     assert [m.spec["mxfp8"] for m in fused.report.matches("mega_attention")] == [True] * cfg.n_layers
+    assert [m.spec["q_rope"] for m in fused.report.matches("mega_attention")] == [True] * cfg.n_layers
     assert _rel(logits, want) <= 1e-5
 
 

@@ -61,6 +61,8 @@ def test_compiled_step_per_bucket_equals_the_eager_engine(shallow):
     # 1 attention per layer (3 layers); decoder: 2 seams, the head's collapse, 1 gate, 1 attention
     per_graph = [tuple(len(p.matches) for p in graph.passes) for graph in report.graphs]
     assert sorted(per_graph) == [(3, 1, 1), (6, 3, 3)] and runner.stats.graphs == 2
+    attention = [m.spec for graph in report.graphs for p in graph.passes if p.name == "mega_attention" for m in p.matches]
+    assert [spec["q_rope"] for spec in attention] == [True] * 4  # q's RoPE in the kernel's prologue
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
