@@ -36,7 +36,6 @@ from .mhc import HyperConnection, HyperHead, hc_post, hc_pre
 from .moe import MoE
 
 
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()

@@ -234,7 +234,9 @@ def _q_rope(q: fx.Node, head_dim: int, rope_dim: int, angles: fx.Node, rows: lis
         raise NoMatch("q is not a kept part and a rotated tail joined (no RoPE of q in the graph)")
     x = kept.args[0]
     joined, q_angles, rd, nodes = _rope(x, head_dim, inverse=False)
-    if joined is not q or rd != rope_dim or dims(x) != dims(q):
+    if joined is not q or dims(x) != dims(q):
+        raise NoMatch("q is joined from another RoPE than the one of the tensor it slices")
+    if rd != rope_dim:
         raise NoMatch(f"q's RoPE rotates {rd} dims, not the output's {rope_dim}")
     if _cut(walk(q_angles), rows, [rd // 2], "q's angles", broadcast=True)[-1] is not angles:
         raise NoMatch("q is rotated by other angles than the output is rotated back by")
@@ -300,7 +302,7 @@ def _rope(o: fx.Node, head_dim: int, inverse: bool = True) -> tuple[fx.Node, fx.
         raise NoMatch(f"{what} is not split into a kept part and a rotated part (no {'inverse ' * inverse}RoPE)")
     kept, rotated = sorted(slices, key=lambda n: slices[n])
     if slices[kept][0] != 0 or slices[kept][1] != slices[rotated][0] or slices[rotated][1] != head_dim:
-        raise NoMatch(f"the output is split into {sorted(slices.values())}: not [0, h) kept and [h, head_dim) rotated")
+        raise NoMatch(f"{what} is split into {sorted(slices.values())}: not [0, h) kept and [h, head_dim) rotated")
     rd = head_dim - slices[rotated][0]
     pairs = next(iter(rotated.users)) if len(rotated.users) == 1 else None
     if pairs is not None and is_convert(pairs) and len(pairs.users) == 1:

@@ -81,7 +81,7 @@ decode step per token (teacher-forced with eager's greedy tokens, so both see th
 """
 
 # (dtype, quant) -> max abs logits error: measured margins, see step 6 of the module doc
-DEFAULT_TOLERANCE = {("float64", "none"): 1e-3, ("float64", "ref"): 0.5,
+DEFAULT_TOLERANCE = {("float64", "ref"): 0.5,  # float64 is quant="ref" only (config.validate)
                      ("float32", "none"): 1e-3, ("float32", "ref"): 0.5,
                      ("bfloat16", "none"): 0.5, ("bfloat16", "ref"): 0.5}
 
