@@ -482,14 +482,9 @@ def choose_config(spec: AttentionSpec, rows: int, segment_keys, splits: int | No
     runs programs one after the other and reduces element by element: there no split, and tiles no
     larger than the data."""
     segment_keys = [segment_keys] if isinstance(segment_keys, int) else list(segment_keys)
-    warps = 4
     if device == "cuda":
         block_h = max(MIN_DOT, min(_next_pow2(spec.heads), max(MIN_DOT, ACC_ELEMENTS // spec.head_dim)))
         block_j = max(MIN_DOT, min(64, KEY_TILE_BYTES // (spec.head_dim * DTYPES[spec.key_dtype].itemsize)))
-        if any(fmt in _FORMAT_BLOCK for fmt in spec.key_formats):
-            # a tile decoded in registers (its codes, scales and fp32 values) beside the accumulator:
-            # at V4's widths 32 keys or 4 warps spill (offline sm_90 build); 16 keys over 8 warps do not
-            block_j, warps = max(MIN_DOT, block_j // 2), 8
     else:  # the interpreter reduces element by element in Python: no padding to the MMA's minimum
         block_h, block_j = min(_next_pow2(spec.heads), 64), MIN_DOT
     tiles = max(1, sum(-(-n // block_j) for n in segment_keys))
@@ -501,7 +496,7 @@ def choose_config(spec: AttentionSpec, rows: int, segment_keys, splits: int | No
     elif splits < 1:
         raise ValueError(f"mega_attention: splits must be >= 1, got {splits}")
     tiles_per_split = -(-tiles // min(splits, tiles))
-    return LaunchConfig(block_h, block_j, -(-tiles // tiles_per_split), tiles_per_split, num_warps=warps)
+    return LaunchConfig(block_h, block_j, -(-tiles // tiles_per_split), tiles_per_split)
 
 
 def mega_attention(q: torch.Tensor, keys, valid: torch.Tensor, sink: torch.Tensor,

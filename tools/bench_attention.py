@@ -3,19 +3,18 @@
     python3 -m megafuse.tools.bench_attention [--tokens 1,16,64,128,512,4096] [--splits 1,2,4,8,16]
                                               [--out PATH] [--dry-run]
 
-V4.1-Flash attention: 64 heads x 512, a 64-dim RoPE tail, 640 keys per query row as the cache holds
-them: 128 FP8 SWA rows (528 B) + 512 FP4 global rows (288 B), bf16 q, one sink per head, bf16 out.
-The chain is `mega_attention.reference` (the cache's decode of the rows, the model's RoPE of q,
-sparse attention with the sink in fp32, inverse RoPE, the cast): what the pass replaces. Both
-sides read the rows already gathered (the gathers stay outside the comparison). For each T (query
-rows):
+V4.1-Flash attention: 64 heads x 512, a 64-dim RoPE tail, 640 keys per query row (128 SWA + 512
+global rows), bf16 q and keys, one sink per head, bf16 out. The chain is `mega_attention.reference`
+(the model's RoPE of q, sparse attention with the sink in fp32, inverse RoPE, the cast): what the
+pass replaces. The kernel reads keys already gathered and decoded; the gathers and the FP8 / FP4 decodes
+stay outside both sides of the comparison. For each T (query rows):
 
 1. correctness first: the kernel against the chain on random inputs (70% of keys valid, row 0
    with none where T > 1), every split count it would choose and others, relative to the output's scale; NaN never passes;
 2. CUDA-graph medians (`triton.testing.do_bench_cudagraph`): the kernel with its own launch
    (`choose_config`), the chain under `torch.compile` (default mode) and eager;
-3. roofline floor = max(bytes / 4.3 TB/s, FLOPs / 660 TFLOP/s) with bytes = T (sum_i J_i row_i +
-   2 H D 2 + J) (the key rows, q and out, the mask) and FLOPs = 4 T H J D (two GEMMs), and the practical floor
+3. roofline floor = max(bytes / 4.3 TB/s, FLOPs / 660 TFLOP/s) with bytes = T (J D 2 + 2 H D 2 + J)
+   (keys, q and out, the mask) and FLOPs = 4 T H J D (two GEMMs), and the practical floor
    max(floor, 4 us); the ratios against the issue's targets.
 
 `--splits` also times each forced key split per T (the data behind `choose_config`'s split). For
@@ -34,17 +33,15 @@ import torch
 import triton
 
 from megafuse.lowering import mega_attention as ma
-from megafuse.model.cache import named_codec
 from megafuse.tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, open_log, require_cuda, time_graph_us
 from megafuse.tools.common import positive_ints
 
-ROWS = ("swa_fp8", "global_fp4")  # the step's key segments under quant="ref"
 V4 = ma.AttentionSpec(heads=64, head_dim=512, rope_dim=64, scale=512 ** -0.5, key_dtype="bfloat16",
-                      out_dtype="bfloat16", mxfp8=False, q_rope=True, key_formats=ROWS)
-KEYS = (128, 512)  # keys per row in each segment: V4's window and top-k
+                      out_dtype="bfloat16", mxfp8=False, q_rope=True)
+KEYS = 128 + 512
 TOY = ma.AttentionSpec(heads=4, head_dim=64, rope_dim=16, scale=64 ** -0.5, key_dtype="bfloat16",
-                       out_dtype="bfloat16", mxfp8=False, q_rope=True, key_formats=ROWS)
-TOY_KEYS = (36, 64)
+                       out_dtype="bfloat16", mxfp8=False, q_rope=True)
+TOY_KEYS = 100
 TOKENS = (1, 16, 64, 128, 512, 4096)
 BF16_TFLOPS = 660.0  # dense bf16 MMA, the H200's sustained rate (GPU.md)
 LAUNCH_FLOOR_US = 4.0
@@ -55,31 +52,26 @@ TARGET_X_FLOOR = {t: 2.0 for t in (1, 16, 64, 128)} | {512: 1.5, 4096: 1.5}
 PUBLISHED_GB300_US = {1: 29, 32: 31, 128: 31, 256: 53, 512: 96}
 
 
-def make_inputs(spec: ma.AttentionSpec, T: int, segment_keys: tuple[int, ...], device, seed: int) -> tuple:
-    """q, the key rows of each segment (random keys encoded as the cache encodes them), valid,
-    sink, angles."""
+def make_inputs(spec: ma.AttentionSpec, T: int, n_keys: int, device, seed: int) -> tuple:
     g = torch.Generator().manual_seed(seed)
     dtype = ma.DTYPES[spec.key_dtype]
     q = torch.randn(T, spec.heads, spec.head_dim, generator=g).to(dtype)
-    keys = [named_codec(fmt, spec.head_dim, dtype).encode(torch.randn(T, n, spec.head_dim, generator=g).to(dtype))
-            for fmt, n in zip(spec.key_formats, segment_keys)]
-    valid = torch.rand(T, sum(segment_keys), generator=g) < 0.7
+    keys = torch.randn(T, n_keys, spec.head_dim, generator=g).to(dtype)
+    valid = torch.rand(T, n_keys, generator=g) < 0.7
     if T > 1:
         valid[0] = False  # no valid key: the output is exactly 0
     sink = torch.randn(spec.heads, generator=g)
     angles = torch.rand(T, spec.rope_dim // 2, generator=g) * 1000.0
-    return q.to(device), [k.to(device) for k in keys], valid.to(device), sink.to(device), angles.to(device)
+    return tuple(t.to(device) for t in (q, keys, valid, sink, angles))
 
 
-def attention_bytes(spec: ma.AttentionSpec, T: int, segment_keys: tuple[int, ...]) -> int:
+def attention_bytes(spec: ma.AttentionSpec, T: int, n_keys: int) -> int:
     element = ma.DTYPES[spec.key_dtype].itemsize
-    rows = sum(n * (ma.key_row_bytes(spec, fmt) or spec.head_dim * element)
-               for fmt, n in zip(spec.key_formats, segment_keys))
-    return T * (rows + 2 * spec.heads * spec.head_dim * element + sum(segment_keys))
+    return T * (n_keys * spec.head_dim * element + 2 * spec.heads * spec.head_dim * element + n_keys)
 
 
-def attention_flops(spec: ma.AttentionSpec, T: int, segment_keys: tuple[int, ...]) -> int:
-    return 4 * T * spec.heads * sum(segment_keys) * spec.head_dim
+def attention_flops(spec: ma.AttentionSpec, T: int, n_keys: int) -> int:
+    return 4 * T * spec.heads * n_keys * spec.head_dim
 
 
 def check(spec: ma.AttentionSpec, inputs: tuple, config: ma.LaunchConfig | None = None) -> dict:
@@ -91,13 +83,13 @@ def check(spec: ma.AttentionSpec, inputs: tuple, config: ma.LaunchConfig | None 
             "ok": rel <= TOLERANCE and first_row_zero and bool(torch.isfinite(got).all())}
 
 
-def correctness(spec: ma.AttentionSpec, segment_keys: tuple[int, ...], tokens, device, log) -> list:
+def correctness(spec: ma.AttentionSpec, n_keys: int, tokens, device, log) -> list:
     rows = []
     for T in tokens:
-        inputs = make_inputs(spec, T, segment_keys, device, seed=T)
-        config = ma.choose_config(spec, T, segment_keys)
+        inputs = make_inputs(spec, T, n_keys, device, seed=T)
+        config = ma.choose_config(spec, T, n_keys)
         for splits in sorted({1, config.splits, min(3, config.splits + 2)}):
-            forced = ma.choose_config(spec, T, segment_keys, splits, device=inputs[0].device.type)
+            forced = ma.choose_config(spec, T, n_keys, splits, device=inputs[0].device.type)
             row = {"T": T, "splits": splits, **check(spec, inputs, forced)}
             log(f"  T={T} splits={splits}: rel err {row['rel_err']:.2e} {'ok' if row['ok'] else 'BAD'}")
             rows.append(row)
@@ -134,7 +126,7 @@ def sweep_T(T: int, splits: tuple[int, ...], device, log) -> list:
     for s in splits:
         config = ma.choose_config(V4, T, KEYS, splits=s)
         us = time_graph_us(lambda: ma.mega_attention(*inputs, V4, config))
-        rows.append({"splits": config.splits, "tiles_per_split": config.tiles_per_split, "graph_us": us,
+        rows.append({"splits": config.splits, "keys_per_split": config.keys_per_split, "graph_us": us,
                      "check": check(V4, inputs, config)})
         log(f"  T={T} splits={config.splits}: {us:.2f} us")
     return rows
@@ -152,16 +144,16 @@ def main(argv=None) -> int:
     log = open_log(args.out)
 
     device = torch.device("cpu" if args.dry_run else "cuda")
-    spec, segment_keys = (TOY, TOY_KEYS) if args.dry_run else (V4, KEYS)
+    spec, n_keys = (TOY, TOY_KEYS) if args.dry_run else (V4, KEYS)
     res = {"schema": "megafuse.bench_attention/1",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-           "spec": spec.describe(), "keys_per_row": dict(zip(spec.key_formats, segment_keys)), "hbm_bytes_per_s": HBM_BYTES_PER_S,
+           "spec": spec.describe(), "keys_per_row": n_keys, "hbm_bytes_per_s": HBM_BYTES_PER_S,
            "bf16_tflops": BF16_TFLOPS, "launch_floor_us": LAUNCH_FLOOR_US,
            "published_gb300_us_for_reference": PUBLISHED_GB300_US, "stages": {}}
     stages = Stages(res, args.out, log)
-    stages.run("correctness", lambda: correctness(spec, segment_keys, (1, 3) if args.dry_run else args.tokens, device, log))
+    stages.run("correctness", lambda: correctness(spec, n_keys, (1, 3) if args.dry_run else args.tokens, device, log))
     if not args.dry_run:
         res["results"] = []
         for T in args.tokens:

@@ -38,7 +38,7 @@ from megafuse.lowering import mega_attention, mega_gate, mega_mhc, offline
 from .output import console, environment, write_json
 
 D, N, EXPERTS, TOP_K = 5120, 4, 384, 6  # proxy / V4.1-Flash widths
-HEADS, HEAD_DIM, ROPE_DIM, WINDOW, ATTENDED = 64, 512, 64, 128, 128 + 512  # V4.1-Flash attention: SWA window + top-k rows
+HEADS, HEAD_DIM, ROPE_DIM, ATTENDED = 64, 512, 64, 128 + 512  # V4.1-Flash attention: SWA window + top-k rows
 H200_SMS = 132
 TOKENS = (1, 64, 512, 4096)
 
@@ -106,21 +106,16 @@ def build_gate(input_dtype: str, T: int) -> offline.Build:
 
 
 ATTENTION_SPEC = mega_attention.AttentionSpec(heads=HEADS, head_dim=HEAD_DIM, rope_dim=ROPE_DIM, scale=HEAD_DIM ** -0.5,
-                                              key_dtype="bfloat16", out_dtype="bfloat16", mxfp8=False, q_rope=True,
-                                              key_formats=("swa_fp8", "global_fp4"))
+                                              key_dtype="bfloat16", out_dtype="bfloat16", mxfp8=False, q_rope=True)
 
 
 def build_attention(T: int) -> list[offline.Build]:
-    """MegaAttention's launches for T query rows (bf16, the pass's spec at V4 widths, keys read as
-    the cache's FP8 SWA and FP4 global rows): the kernel, and its combine where the launch splits
-    the keys."""
-    spec = ATTENTION_SPEC
-    segments = (WINDOW, ATTENDED - WINDOW)
-    rows = [torch.zeros(T, n, mega_attention.key_row_bytes(spec, fmt), dtype=torch.uint8)
-            for fmt, n in zip(spec.key_formats, segments)]
-    inputs = (torch.zeros(T, HEADS, HEAD_DIM, dtype=torch.bfloat16), rows, torch.zeros(T, ATTENDED, dtype=torch.bool),
-              torch.zeros(HEADS), torch.zeros(T, ROPE_DIM // 2))
-    config = mega_attention.choose_config(spec, T, segments, device="cuda")  # the GPU's, not the CPU's
+    """MegaAttention's launches for T query rows (bf16, the pass's spec at V4 widths): the kernel,
+    and its combine where the launch splits the keys."""
+    spec, bf16 = ATTENTION_SPEC, dict(dtype=torch.bfloat16)
+    inputs = (torch.zeros(T, HEADS, HEAD_DIM, **bf16), torch.zeros(T, ATTENDED, HEAD_DIM, **bf16),
+              torch.zeros(T, ATTENDED, dtype=torch.bool), torch.zeros(HEADS), torch.zeros(T, ROPE_DIM // 2))
+    config = mega_attention.choose_config(spec, T, ATTENDED, device="cuda")  # the GPU's, not the CPU's
     return offline.build_launch(mega_attention, mega_attention.mega_attention, *inputs, spec, config)
 
 
@@ -137,7 +132,7 @@ def main(argv=None) -> int:
         parser.error("--tokens must be >= 1")
     jobs = [("mega_mhc", form, lambda T, f=form: [build_mhc(f, T)]) for form in MHC_FORMS]
     jobs += [("mega_gate", f"{dtype} input", lambda T, d=dtype: [build_gate(d, T)]) for dtype in GATE_INPUTS]
-    jobs += [("mega_attention", f"bf16 q, {WINDOW} FP8 + {ATTENDED - WINDOW} FP4 key rows", build_attention)]
+    jobs += [("mega_attention", f"bf16, {ATTENDED} keys", build_attention)]
     rows = []
     with console.status("building for sm_90 ...") if console.is_terminal else contextlib.nullcontext():
         for op, form, build in jobs:

@@ -70,10 +70,10 @@ def test_mega_gate_builds_for_hopper(input_dtype, T):
 
 @pytest.mark.parametrize("T", slow_beyond([1, 4096]))
 def test_mega_attention_builds_for_hopper(T):
-    """V4 widths (64 heads x 512, 128 FP8 + 512 FP4 key rows): decode rows split the keys (kernel + combine), a
+    """V4 widths (64 heads x 512, 640 keys): decode rows split the keys (kernel + combine), a
     prefill chunk does not; every build within Hopper's limits, the tiles in registers."""
     builds = hopper_builds.build_attention(T)
-    config = mega_attention.choose_config(hopper_builds.ATTENTION_SPEC, T, (hopper_builds.WINDOW, hopper_builds.ATTENDED - hopper_builds.WINDOW))
+    config = mega_attention.choose_config(hopper_builds.ATTENTION_SPEC, T, hopper_builds.ATTENDED)
     assert [b.name for b in builds] == [mega_attention.KERNEL_NAME] + [mega_attention.COMBINE_NAME] * (config.splits > 1)
     assert builds[0].grid == (T, hopper_builds.HEADS // config.block_h, config.splits)
     for build in builds:
