@@ -8,24 +8,15 @@ For each query row r (a token of a batched step) and head h, over the row's own 
     o    = RoPE^-1(o) on the last rope_dim dims          (pairs (2i, 2i+1) rotated by -angle_i)
     out  = o rounded to out_dtype, then (mxfp8) through MXFP8: e4m3 values with a ue8m0 scale per 32
 
-This is the chain `model.attention.Attention._output` runs before its WO-A GEMM, on gathered key
-rows (`reference` is that chain, calling the model's functions, so the formula exists once). The
-row's J keys come in segments, each in its own storage format (`AttentionSpec.key_formats`):
-
-    values       [R, J_i, head_dim] in key_dtype: keys already decoded
-    raw          [R, J_i, head_dim * itemsize] uint8: key_dtype's bits, little-endian (quant="none" caches)
-    swa_fp8      [R, J_i, head_dim + head_dim / 32] uint8: e4m3 codes, ue8m0 scales (the SWA cache)
-    global_fp4   [R, J_i, head_dim / 2 + head_dim / 16] uint8: e2m1 pairs, e4m3 scales (the global cache)
-
-as `model.cache` stores them; the kernel decodes the byte formats tile by tile, exactly as
-`model.quant` does (every decoded value is a product of at most 4 + 4 significant bits: exact in
-fp32 and in bf16), so the keys never go to memory as values. valid [R, sum J_i] covers them in order. A query whose keys are all invalid gets exactly 0, as in the chain: the sink joins
+This is the chain `model.attention.Attention._output` runs before its WO-A GEMM, on keys already
+decoded and gathered (`reference` is that chain, calling the model's functions, so the formula
+exists once). A query whose keys are all invalid gets exactly 0, as in the chain: the sink joins
 the max, so the denominator never vanishes.
 
 Kernel design
 -------------
-One program per (row, block of BLOCK_H heads, split of the row's key tiles): the row's key tile
-[BLOCK_J, head_dim] is loaded (and decoded) once and used by every head of the block (heads sit in the MMA's M
+One program per (row, block of BLOCK_H heads, split of the row's keys): the row's key tile
+[BLOCK_J, head_dim] is loaded once and used by every head of the block (heads sit in the MMA's M
 dimension, the MQA saving). An online softmax runs over the split's keys with its running max
 started at the sink, the [BLOCK_H, head_dim] accumulator in fp32 registers. The epilogue divides,
 rotates the tail back (cos and sin of the angles are taken with torch before the launch, as
@@ -65,7 +56,6 @@ import torch
 import triton.language  # noqa: F401  (import Triton before any kernel module: see kernel_cache)
 
 from megafuse.model import quant
-from megafuse.model.cache import named_codec
 from megafuse.model.attention import sparse_attention_with_sink
 from megafuse.model.rope import apply_rope
 
@@ -77,9 +67,6 @@ COMBINE_NAME = f"{KERNEL_NAME}_combine"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MXFP8_BLOCK = 32
 MAX_HEAD_DIM = 1024  # the fp32 accumulator of BLOCK_H heads x head_dim lives in registers
-# Key segment formats (module doc) and the block sizes their scales cover.
-KEY_FORMATS = ("values", "raw", "swa_fp8", "global_fp4")
-_FORMAT_BLOCK = {"swa_fp8": 32, "global_fp4": 16}
 
 
 @dataclass(frozen=True)
@@ -93,7 +80,6 @@ class AttentionSpec:
     out_dtype: str  # the dtype the chain rounds o to before its quantisation
     mxfp8: bool  # round the output through MXFP8 (quant="ref")
     q_rope: bool = False  # rotate q's tail by +angle first (the chain's RoPE of q, rounded to key_dtype)
-    key_formats: tuple[str, ...] = ("values",)  # the storage format of each segment of a row's keys
 
     def key(self) -> str:
         """Short stable hash of the spec and of the generator's template (file names, memo keys)."""
@@ -122,21 +108,7 @@ def unsupported_reason(spec: AttentionSpec) -> str | None:
         return f"MXFP8 blocks of {MXFP8_BLOCK} must tile head_dim {spec.head_dim}"
     if not abs(spec.scale) < float("inf"):
         return f"score scale {spec.scale!r} must be finite"
-    if not spec.key_formats or any(f not in KEY_FORMATS for f in spec.key_formats):
-        return f"key formats {list(spec.key_formats)}: each must be one of {', '.join(KEY_FORMATS)}"
-    for fmt in spec.key_formats:
-        if spec.head_dim % _FORMAT_BLOCK.get(fmt, 1):
-            return f"{fmt} keys need head_dim a multiple of {_FORMAT_BLOCK[fmt]}, got {spec.head_dim}"
-    if "raw" in spec.key_formats and spec.key_dtype == "float16":
-        return "raw keys hold float32 or bfloat16 bits (model.cache), not float16"
     return None
-
-
-def key_row_bytes(spec: AttentionSpec, fmt: str) -> int | None:
-    """Bytes of one key row of a byte format (None for values)."""
-    if fmt == "values":
-        return None
-    return named_codec(fmt, spec.head_dim, DTYPES[spec.key_dtype]).row_bytes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,7 +126,6 @@ DH = tl.constexpr($DH)
 HALF = tl.constexpr($HALF)
 ROPE_PAIRS = tl.constexpr($ROPE_PAIRS)  # rotated pairs: the last ROPE_PAIRS of the HALF pairs
 SCALE = tl.constexpr($SCALE)
-KEY_DTYPE = tl.constexpr(tl.$KEY_DTYPE_NAME)
 
 $COMBINERS
 
@@ -214,62 +185,14 @@ $MXFP8_LINES
              o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
-# Key tiles [BLOCK_J, DH] of one segment, by its format (rows at `at` [BLOCK_J, 1]; masked keys read
-# as 0, never NaN: their p is 0 and 0 * NaN would poison the sum). The byte formats decode as
-# model.quant does: an fp8 / fp4 code's bits moved into an fp16's (whose subnormals cover theirs),
-# times the bias difference, times the block's scale: exact in fp32, then exact in the key dtype.
 @triton.jit
-def _e4m3(code):
-    """e4m3 codes (int32 0..255) -> fp32 values; 0x7F and 0xFF are NaN, as float8_e4m3fn's."""
-    half = (((code & 0x80) << 8) | ((code & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
-    return tl.where((code & 0x7F) == 0x7F, float("nan"), half.to(tl.float32) * 256.0)
-
-
-@triton.jit
-def _keys_values(at, ok, dims):
-    return tl.load(at + dims[None, :], mask=ok[:, None], other=0.0)
-
-
-@triton.jit
-def _keys_swa_fp8(at, ok, dims):
-    """e4m3 codes [0, DH), one ue8m0 scale byte per 32 after them: 2^(byte - 127)."""
-    code = tl.load(at + dims[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    biased = tl.load(at + DH + dims[None, :] // 32, mask=ok[:, None], other=127).to(tl.int32)
-    scale = tl.where(biased == 0, 2.0 ** -127, (biased << 23).to(tl.float32, bitcast=True))
-    return (_e4m3(code) * scale).to(KEY_DTYPE)
-
-
-@triton.jit
-def _keys_global_fp4(at, ok, dims):
-    """e2m1 pairs [0, DH / 2) (element 2i in the low nibble of byte i), one e4m3 scale per 16 after them."""
-    pair = tl.load(at + dims[None, :] // 2, mask=ok[:, None], other=0).to(tl.int32)
-    code = (pair >> ((dims[None, :] & 1) * 4)) & 0xF
-    half = (((code & 8) << 12) | ((code & 7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
-    scale = _e4m3(tl.load(at + DH // 2 + dims[None, :] // 16, mask=ok[:, None], other=0).to(tl.int32))
-    return (half.to(tl.float32) * 16384.0 * scale).to(KEY_DTYPE)
-
-
-@triton.jit
-def _attend(q, k, ok, m, total, acc, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, INTERPRETED: tl.constexpr):
-    """One key tile into the online softmax: (running max, running sum, accumulator) updated."""
-$SCORE_LINE
-    s = tl.where(ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.reduce(s, 1, _maximum))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
-    total = total * alpha + tl.reduce(p, 1, _add)
-$PV_LINES
-    return m_new, total, acc
-
-
-@triton.jit
-def $KERNEL(q_ptr, $KEY_PTRS, valid_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, m_ptr, l_ptr, part_ptr, $KEY_COUNTS,
-            TILES_PER_SPLIT, stride_q_row, stride_q_head, $KEY_STRIDES, stride_valid_row,
+def $KERNEL(q_ptr, k_ptr, valid_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, m_ptr, l_ptr, part_ptr, J,
+            KEYS_PER_SPLIT, stride_q_row, stride_q_head, stride_k_row, stride_k_key, stride_valid_row,
             stride_angle_row, stride_out_row, stride_out_head, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
             SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Program (row, block of heads, split): the split's share of the row's key tiles, segment after
-    segment; with SPLITS > 1 its partial result (running max, running sum without the sink,
-    unnormalised o) goes to the workspace for ${KERNEL}_combine, else the program finishes the row."""
+    """Program (row, block of heads, split): the split's keys; with SPLITS > 1 its partial result
+    (running max, running sum without the sink, unnormalised o) goes to the workspace for
+    ${KERNEL}_combine, else the program finishes the row itself."""
     row = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < H
@@ -283,12 +206,21 @@ $Q_ROPE_LINES
     m = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
     total = tl.full((BLOCK_H,), 1.0 if SPLITS == 1 else 0.0, tl.float32)
     acc = tl.full((BLOCK_H, DH), 0.0, tl.float32)
-    # the split's tiles [split_first, split_first + TILES_PER_SPLIT) of the row's tiles, numbered
-    # across the segments in order; `tiles` and `columns` count the tiles and keys before a segment
-    split_first = tl.program_id(2) * TILES_PER_SPLIT
-    tiles = 0
-    columns = 0
-$SEGMENTS
+    first = tl.program_id(2) * KEYS_PER_SPLIT
+    last = tl.minimum(first + KEYS_PER_SPLIT, J)
+    for start in range(first, last, BLOCK_J):
+        keys = start + tl.arange(0, BLOCK_J)
+        ok = (keys < last) & (tl.load(valid_ptr + row * stride_valid_row + keys, mask=keys < last, other=0) != 0)
+        k = tl.load(k_ptr + row * stride_k_row + keys[:, None] * stride_k_key + dims[None, :],
+                    mask=ok[:, None], other=0.0)
+$SCORE_LINE
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(s, 1, _maximum))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        total = total * alpha + tl.reduce(p, 1, _add)
+$PV_LINES
+        m = m_new
     if SPLITS == 1:
         _finish(acc / total[:, None], row, heads, head_ok, dims, cos_ptr, sin_ptr, out_ptr, stride_angle_row,
                 stride_out_row, stride_out_head, BLOCK_H)
@@ -337,27 +269,13 @@ _Q_ROPE_LINES = '''    even, odd, cos, sin = _rope_pairs(q.to(tl.float32), row, 
 # own dtype, so q K^T is one 16-bit MMA with fp32 accumulation (exact products, as the chain's fp32
 # dot of upcast values) and p is split into two 16-bit parts (p = hi + lo to 2^-18 relative for
 # bf16), both rounded to nearest as torch rounds, two MMAs: fp32-level accuracy at 16-bit MMA rates.
-_SCORES_FP32 = '''    s = tl.dot(q, tl.trans(k), input_precision="tf32x3") * SCALE'''
-_PV_FP32 = '''    acc = tl.dot(p, k, acc * alpha[:, None], input_precision="tf32x3")'''
-_SCORES_16BIT = '''    s = _dot16(q, tl.trans(k), tl.full((BLOCK_H, BLOCK_J), 0.0, tl.float32), INTERPRETED) * SCALE'''
-_PV_16BIT = '''    p_hi = _round_$KEY_DTYPE(p)
-    p_lo = _round_$KEY_DTYPE(p - p_hi)
-    acc = _dot16(p_hi.to(k.dtype), k, acc * alpha[:, None], INTERPRETED)
-    acc = _dot16(p_lo.to(k.dtype), k, acc, INTERPRETED)'''
-
-# One segment's loop: its tiles that fall in this split's range, each loaded (decoded) once for
-# the program's heads. Raw segments arrive viewed as key_dtype values (the launcher's torch view).
-_SEGMENT = '''    # segment $I: $FORMAT keys
-    first = tl.maximum(split_first - tiles, 0) * BLOCK_J
-    last = tl.minimum(tl.maximum(split_first + TILES_PER_SPLIT - tiles, 0) * BLOCK_J, J$I)
-    for start in range(first, last, BLOCK_J):
-        keys = start + tl.arange(0, BLOCK_J)
-        ok = (keys < last) & (tl.load(valid_ptr + row * stride_valid_row + columns + keys, mask=keys < last,
-                                      other=0) != 0)
-        k = _keys_$LOADER(k${I}_ptr + row * stride_k${I}_row + keys[:, None] * stride_k${I}_key, ok, dims)
-        m, total, acc = _attend(q, k, ok, m, total, acc, BLOCK_H, BLOCK_J, INTERPRETED)
-    tiles += tl.cdiv(J$I, BLOCK_J)
-    columns += J$I'''
+_SCORES_FP32 = '''        s = tl.dot(q, tl.trans(k), input_precision="tf32x3") * SCALE'''
+_PV_FP32 = '''        acc = tl.dot(p, k, acc * alpha[:, None], input_precision="tf32x3")'''
+_SCORES_16BIT = '''        s = _dot16(q, tl.trans(k), tl.full((BLOCK_H, BLOCK_J), 0.0, tl.float32), INTERPRETED) * SCALE'''
+_PV_16BIT = '''        p_hi = _round_$KEY_DTYPE(p)
+        p_lo = _round_$KEY_DTYPE(p - p_hi)
+        acc = _dot16(p_hi.to(k.dtype), k, acc * alpha[:, None], INTERPRETED)
+        acc = _dot16(p_lo.to(k.dtype), k, acc, INTERPRETED)'''
 
 _ROUNDING = ("bfloat16", "float16")  # out dtypes the epilogue rounds to (snippets.ROUND_16BIT)
 
@@ -379,10 +297,6 @@ def generate_source(spec: AttentionSpec) -> str:
         q_round = f"_round_{spec.key_dtype}(q)" if spec.key_dtype in _ROUNDING else "q"
         q_rope_lines = string.Template(_Q_ROPE_LINES).substitute(Q_ROUND=q_round)
     spec_line = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(spec).items())
-    segments = range(len(spec.key_formats))
-    segment_lines = "\n".join(
-        string.Template(_SEGMENT).substitute(I=i, FORMAT=fmt, LOADER="values" if fmt == "raw" else fmt)
-        for i, fmt in enumerate(spec.key_formats))
     sixteen = spec.key_dtype != "float32"
     pv_lines = string.Template(_PV_16BIT).substitute(KEY_DTYPE=spec.key_dtype) if sixteen else _PV_FP32
     return _TEMPLATE.substitute(
@@ -391,10 +305,7 @@ def generate_source(spec: AttentionSpec) -> str:
         KEY=spec.key(), SPEC_LINE=spec_line, KERNEL=KERNEL_NAME, H=spec.heads, DH=spec.head_dim,
         HALF=spec.head_dim // 2, ROPE_PAIRS=spec.rope_dim // 2, SCALE=repr(float(spec.scale)),
         AMAX_FLOOR=repr(quant._FP8_AMAX_FLOOR), ROPE_LINES=_ROPE_LINES if spec.rope_dim else "",
-        ROUND_LINES=round_lines, MXFP8_LINES=mxfp8_lines, Q_ROPE_LINES=q_rope_lines, SEGMENTS=segment_lines,
-        KEY_DTYPE_NAME=spec.key_dtype, KEY_PTRS=", ".join(f"k{i}_ptr" for i in segments),
-        KEY_COUNTS=", ".join(f"J{i}" for i in segments),
-        KEY_STRIDES=", ".join(f"stride_k{i}_row, stride_k{i}_key" for i in segments))
+        ROUND_LINES=round_lines, MXFP8_LINES=mxfp8_lines, Q_ROPE_LINES=q_rope_lines)
 
 
 def kernel_name(spec: AttentionSpec) -> str:
@@ -419,8 +330,7 @@ def load(spec: AttentionSpec, interpret: bool, attr: str = KERNEL_NAME):
 
 def validate(q, keys, valid, sink, angles, spec: AttentionSpec) -> None:
     """Raise ValueError if the launcher must refuse these inputs; shapes, dtypes and devices only
-    (a pass runs it on a match's fake tensors: an unfused chain, never a run-time error). `keys`:
-    one tensor per segment of spec.key_formats."""
+    (a pass runs it on a match's fake tensors: an unfused chain, never a run-time error)."""
     reason = unsupported_reason(spec)
     if reason:
         raise ValueError(f"mega_attention: unsupported spec: {reason}")
@@ -428,26 +338,19 @@ def validate(q, keys, valid, sink, angles, spec: AttentionSpec) -> None:
     if q.dim() != 3 or tuple(q.shape[1:]) != (H, Dh):
         raise ValueError(f"mega_attention: q must be [R, {H}, {Dh}], got {list(q.shape)}")
     R = q.shape[0]
-    if isinstance(keys, torch.Tensor) or len(keys) != len(spec.key_formats):
-        raise ValueError(f"mega_attention: keys must be a sequence of {len(spec.key_formats)} tensors, one per "
-                         f"key format {list(spec.key_formats)}")
-    for i, (k, fmt) in enumerate(zip(keys, spec.key_formats)):
-        width, dtype = (Dh, DTYPES[spec.key_dtype]) if fmt == "values" else (key_row_bytes(spec, fmt), torch.uint8)
-        if k.dim() != 3 or k.shape[0] != R or k.shape[2] != width or k.dtype != dtype:
-            raise ValueError(f"mega_attention: keys[{i}] ({fmt}) must be {str(dtype).removeprefix('torch.')} "
-                             f"[{R}, J, {width}], got {str(k.dtype).removeprefix('torch.')} {list(k.shape)}")
-    n_keys = sum(k.shape[1] for k in keys)
-    if tuple(valid.shape) != (R, n_keys) or valid.dtype != torch.bool:
-        raise ValueError(f"mega_attention: valid must be bool [{R}, {n_keys}] (every segment's keys), got "
-                         f"{valid.dtype} {list(valid.shape)}")
+    if keys.dim() != 3 or keys.shape[0] != R or keys.shape[2] != Dh:
+        raise ValueError(f"mega_attention: keys must be [{R}, J, {Dh}], got {list(keys.shape)}")
+    if tuple(valid.shape) != tuple(keys.shape[:2]) or valid.dtype != torch.bool:
+        raise ValueError(f"mega_attention: valid must be bool {list(keys.shape[:2])}, got {valid.dtype} {list(valid.shape)}")
     if tuple(sink.shape) != (H,):
         raise ValueError(f"mega_attention: sink must be [{H}], got {list(sink.shape)}")
     if tuple(angles.shape) != (R, spec.rope_dim // 2) or angles.dtype != torch.float32:
         raise ValueError(f"mega_attention: angles must be float32 [{R}, {spec.rope_dim // 2}], "
                          f"got {angles.dtype} {list(angles.shape)}")
-    if q.dtype != DTYPES[spec.key_dtype]:
-        raise ValueError(f"mega_attention: q dtype {q.dtype} does not match spec key_dtype {spec.key_dtype}")
-    devices = {t.device for t in (q, *keys, valid, sink, angles)}
+    for name, t in (("q", q), ("keys", keys)):
+        if t.dtype != DTYPES[spec.key_dtype]:
+            raise ValueError(f"mega_attention: {name} dtype {t.dtype} does not match spec key_dtype {spec.key_dtype}")
+    devices = {t.device for t in (q, keys, valid, sink, angles)}
     if len(devices) > 1:
         raise ValueError(f"mega_attention: inputs on several devices: {sorted(map(str, devices))}")
 
@@ -455,11 +358,11 @@ def validate(q, keys, valid, sink, angles, spec: AttentionSpec) -> None:
 @dataclass(frozen=True)
 class LaunchConfig:
     """How one launch tiles its work: heads per program (the MMA's M), keys per tile, and the
-    split of each row's key tiles over programs (SPLITS > 1 adds the combine launch)."""
+    split of each row's keys over programs (SPLITS > 1 adds the combine launch)."""
     block_h: int
     block_j: int
     splits: int
-    tiles_per_split: int
+    keys_per_split: int
     num_warps: int = 4
     num_stages: int = 2
 
@@ -474,20 +377,18 @@ TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM: fewer rows x head blocks 
 MAX_SPLITS = 16  # the combine reads splits x heads x head_dim fp32 per row
 
 
-def choose_config(spec: AttentionSpec, rows: int, segment_keys, splits: int | None = None,
+def choose_config(spec: AttentionSpec, rows: int, n_keys: int, splits: int | None = None,
                   device: str = "cuda") -> LaunchConfig:
-    """The launch for `rows` query rows with `segment_keys` keys in each key segment (an int: one
-    segment); `splits` forces the split of the row's key tiles (tests, sweeps), else on a GPU it
-    grows until rows x head blocks x splits reaches TARGET_PROGRAMS. The interpreter (device "cpu")
-    runs programs one after the other and reduces element by element: there no split, and tiles no
-    larger than the data."""
-    segment_keys = [segment_keys] if isinstance(segment_keys, int) else list(segment_keys)
+    """The launch for `rows` query rows of `n_keys` keys each; `splits` forces the key split (tests,
+    sweeps), else on a GPU it grows until rows x head blocks x splits reaches TARGET_PROGRAMS. The
+    interpreter (device "cpu") runs programs one after the other and reduces element by element:
+    there no split, and tiles no larger than the data."""
     if device == "cuda":
         block_h = max(MIN_DOT, min(_next_pow2(spec.heads), max(MIN_DOT, ACC_ELEMENTS // spec.head_dim)))
         block_j = max(MIN_DOT, min(64, KEY_TILE_BYTES // (spec.head_dim * DTYPES[spec.key_dtype].itemsize)))
     else:  # the interpreter reduces element by element in Python: no padding to the MMA's minimum
         block_h, block_j = min(_next_pow2(spec.heads), 64), MIN_DOT
-    tiles = max(1, sum(-(-n // block_j) for n in segment_keys))
+    tiles = max(1, -(-n_keys // block_j))
     if splits is None and device != "cuda":
         splits = 1
     elif splits is None:
@@ -495,27 +396,24 @@ def choose_config(spec: AttentionSpec, rows: int, segment_keys, splits: int | No
         splits = min(MAX_SPLITS, tiles, max(1, -(-TARGET_PROGRAMS // max(programs, 1))))
     elif splits < 1:
         raise ValueError(f"mega_attention: splits must be >= 1, got {splits}")
-    tiles_per_split = -(-tiles // min(splits, tiles))
-    return LaunchConfig(block_h, block_j, -(-tiles // tiles_per_split), tiles_per_split)
+    keys_per_split = -(-tiles // min(splits, tiles)) * block_j
+    return LaunchConfig(block_h, block_j, max(1, -(-n_keys // keys_per_split)), keys_per_split)
 
 
-def mega_attention(q: torch.Tensor, keys, valid: torch.Tensor, sink: torch.Tensor,
+def mega_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
                    angles: torch.Tensor, spec: AttentionSpec, config: LaunchConfig | None = None) -> torch.Tensor:
-    """out [R, H, head_dim] in out_dtype (module doc) from q [R, H, head_dim], keys (one [R, J_i, ..]
-    tensor per segment of spec.key_formats), valid [R, sum J_i] bool, sink [H] and the rows' RoPE
-    angles [R, rope_dim / 2] fp32: one launch, or two where the key tiles are split over programs
-    (`config`, by default `choose_config` for the tensors' device), after the angles' cos and sin,
-    taken with torch as `apply_rope` takes them."""
+    """out [R, H, head_dim] in out_dtype (module doc) from q [R, H, head_dim], keys [R, J, head_dim],
+    valid [R, J] bool, sink [H] and the rows' RoPE angles [R, rope_dim / 2] fp32: one launch, or two
+    where the keys are split over programs (`config`, by default `choose_config` for the tensors'
+    device), after the angles' cos and sin, taken with torch as `apply_rope` takes them."""
     validate(q, keys, valid, sink, angles, spec)
-    R = q.shape[0]
+    R, J = keys.shape[:2]
     out = empty((R, spec.heads, spec.head_dim), DTYPES[spec.out_dtype], q.device)
     if R == 0:
         return out
-    config = config or choose_config(spec, R, [k.shape[1] for k in keys], device=q.device.type)
+    config = config or choose_config(spec, R, J, device=q.device.type)
     cos, sin = angles.cos(), angles.sin()
-    q, valid, *keys = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, valid, *keys))
-    # raw rows are the values' own bits (little-endian, as every CUDA and CPU host stores them)
-    keys = [k.view(DTYPES[spec.key_dtype]) if fmt == "raw" else k for k, fmt in zip(keys, spec.key_formats)]
+    q, keys, valid = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, valid))
     sink = sink.contiguous()
     interpret = q.device.type != "cuda"
     heads = (R, -(-spec.heads // config.block_h))
@@ -526,9 +424,8 @@ def mega_attention(q: torch.Tensor, keys, valid: torch.Tensor, sink: torch.Tenso
     on_device = contextlib.nullcontext() if interpret else torch.cuda.device(q.device)
     with on_device:
         load(spec, interpret)[(*heads, config.splits)](
-            q, *keys, valid, sink, cos, sin, out, m, total, acc, *(k.shape[1] for k in keys), config.tiles_per_split,
-            q.stride(0), q.stride(1), *(stride for k in keys for stride in k.stride()[:2]), valid.stride(0),
-            cos.stride(0), out.stride(0), out.stride(1),
+            q, keys, valid, sink, cos, sin, out, m, total, acc, J, config.keys_per_split, q.stride(0), q.stride(1),
+            keys.stride(0), keys.stride(1), valid.stride(0), cos.stride(0), out.stride(0), out.stride(1),
             BLOCK_H=config.block_h, BLOCK_J=config.block_j, SPLITS=config.splits, INTERPRETED=interpret, **options)
         if config.splits > 1:
             load(spec, interpret, COMBINE_NAME)[heads](
@@ -537,22 +434,13 @@ def mega_attention(q: torch.Tensor, keys, valid: torch.Tensor, sink: torch.Tenso
     return out
 
 
-def decode_keys(keys: torch.Tensor, fmt: str, spec: AttentionSpec) -> torch.Tensor:
-    """One key segment as key_dtype values, decoded by the model's own codec (model.cache)."""
-    dtype = DTYPES[spec.key_dtype]
-    return keys if fmt == "values" else named_codec(fmt, spec.head_dim, dtype).decode(keys, dtype)
-
-
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def reference(q: torch.Tensor, keys, valid: torch.Tensor, sink: torch.Tensor,
+def reference(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
               angles: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """The chain in plain torch, from the model's own functions: the cache's decode of each key
-    segment, then `Attention._output` before WO-A."""
-    validate(q, keys, valid, sink, angles, spec)
-    keys = torch.cat([decode_keys(k, fmt, spec) for k, fmt in zip(keys, spec.key_formats)], dim=1)
+    """The chain in plain torch, from the model's own functions (`Attention._output` before WO-A)."""
     if spec.q_rope:
         q = apply_rope(q, angles[:, None, :])
     o = sparse_attention_with_sink(q[None], keys[None], valid[None], sink, spec.scale)[0]

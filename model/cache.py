@@ -91,21 +91,6 @@ def _quant_codec(format_name: str, dim: int) -> RowCodec:
     return RowCodec(format_name, quant.row_bytes(format_name, dim), encode, lambda b, dtype: decode(b, dtype))
 
 
-# Row formats by name: the quantised ones of model.quant, and "raw" (the value dtype's own bits).
-ROW_FORMATS = ("raw", "swa_fp8", "global_fp4", "index_mxfp4")
-
-
-def named_codec(format_name: str, dim: int, dtype: torch.dtype) -> RowCodec:
-    """The codec of a row format by name, for rows of `dim` values; `dtype` is the raw format's."""
-    if format_name not in ROW_FORMATS:
-        raise ValueError(f"unknown row format {format_name!r}; valid formats: {', '.join(ROW_FORMATS)}")
-    if format_name == "raw":
-        if dtype not in _RAW_INT:
-            raise ValueError(f"raw rows hold float32 or bfloat16 values, not {dtype}")
-        return _raw_codec(dim, dtype)
-    return _quant_codec(format_name, dim)
-
-
 def row_codec(cfg: ModelConfig, kind: str) -> RowCodec:
     """The codec of one cache kind ("swa", "global_kv" or "index_keys") under cfg.quant / cfg.dtype."""
     dims = {"swa": ("swa_fp8", cfg.head_dim), "global_kv": ("global_fp4", cfg.head_dim),
@@ -113,7 +98,9 @@ def row_codec(cfg: ModelConfig, kind: str) -> RowCodec:
     if kind not in dims:
         raise ValueError(f"unknown cache kind {kind!r}; valid kinds: {', '.join(dims)}")
     format_name, dim = dims[kind]
-    return named_codec(format_name if cfg.quant == "ref" else "raw", dim, getattr(torch, cfg.dtype))
+    if cfg.quant == "ref":
+        return _quant_codec(format_name, dim)
+    return _raw_codec(dim, getattr(torch, cfg.dtype))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ import operator
 import sympy
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .base import NoMatch
 
@@ -369,91 +368,3 @@ def per_row(node: fx.Node, x: fx.Node, kinds: tuple[str, ...]) -> list[fx.Node] 
             or not is_last_dim(found[2][0], x) or dims(node) != dims(x)[:-1] + [1]):
         return None
     return path + [a for a in path[-1].args if isinstance(a, fx.Node) and a is not x]  # max.dim / online softmax
-
-
-# ---- running a piece of the graph on real values (probes) ----------------------------------------
-# A matcher that must know what a subgraph computes, not only how it is spelt (a quantiser's scale
-# rule, a cache row's decode), runs the graph's own ops on probe values and compares the result
-# with the reference function. Sizes (SymInt values: the dynamic row counts) are bound to numbers.
-
-
-def is_size(node: fx.Node) -> bool:
-    """The node holds a size (an int or a symbolic one), not a tensor."""
-    return isinstance(val(node), (int, torch.SymInt, torch.SymBool, torch.SymFloat))
-
-
-def subgraph(start: fx.Node, end: fx.Node) -> list[fx.Node] | None:
-    """The call_function nodes `end` is computed from down to `start` (excluded), with `end`;
-    size nodes are leaves (bound when the subgraph runs). None if `end` reads any other input (a
-    placeholder, a parameter): then it is no function of `start` alone."""
-    found, stack = {}, [end]
-    while stack:
-        node = stack.pop()
-        if node is start or node in found:
-            continue
-        if node.op != "call_function" and not is_size(node):
-            return None
-        found[node] = None
-        if not is_size(node):
-            stack.extend(node.all_input_nodes)
-    return list(found)
-
-
-def probe_shape(node: fx.Node, small: int = 2) -> tuple[list[int], dict]:
-    """A concrete shape for a probe of `node` and the binding of its size symbols: every symbol in
-    its shape bound to `small` (a probe of a dynamic row count needs few rows), static sizes kept."""
-    sizes = {}
-    for d in val(node).shape:
-        if isinstance(d, torch.SymInt):
-            sizes.update({s: small for s in sympy.sympify(d.node.expr).free_symbols})
-    return [int(_bound(size_of(d), sizes)) for d in val(node).shape], sizes
-
-
-def _bound(expr, sizes: dict):
-    """A size expression with its symbols replaced by the numbers `sizes` binds them to."""
-    return sympy.sympify(sympy.sympify(expr).xreplace({s: sympy.Integer(v) for s, v in sizes.items()}))
-
-
-def run_subgraph(start: fx.Node, end: fx.Node, probe: torch.Tensor, sizes: dict | None = None):
-    """`end` computed by the graph's own ops from `probe` in place of `start`, sizes bound by `sizes`
-    ({symbol: int}; a size of other symbols takes its hint); None if it cannot run that way."""
-    needed = set(subgraph(start, end) or ())
-    if not needed:
-        return None
-    graph = fx.Graph()
-    env = {start: graph.placeholder("x")}
-    for node in start.graph.nodes:  # in graph order: inputs before users
-        if node not in needed:
-            continue
-        if is_size(node):
-            size = val(node)
-            if isinstance(size, torch.SymInt):
-                expr = _bound(size.node.expr, sizes or {})
-                size = int(expr) if expr.is_number else size.node.hint
-            if size is None or not isinstance(size, int):
-                return None
-            env[node] = size
-        else:
-            env[node] = graph.node_copy(node, lambda a: env[a])
-    graph.output(env[end])
-    with unset_fake_temporarily():  # the passes run under the compile's fake mode; the probes are real
-        try:
-            return fx.GraphModule({}, graph)(probe)
-        except Exception:  # an op that does not run eagerly on the probe: not the function asked about
-            return None
-
-
-def same_values(a, b) -> bool:
-    """Equal tensors, NaN where the other has NaN (a probe may decode NaN codes)."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    with unset_fake_temporarily():
-        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
-
-
-def computes(start: fx.Node, end: fx.Node, reference, probe: torch.Tensor, sizes: dict | None = None) -> bool:
-    """Whether `end` is a function of `start` alone (sizes and constants aside) that gives exactly
-    `reference(probe)` on `probe` (on start's device): the graph's own ops run on it."""
-    with unset_fake_temporarily():
-        probe = probe.to(val(start).device)
-        return same_values(run_subgraph(start, end, probe, sizes), reference(probe))

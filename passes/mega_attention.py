@@ -22,7 +22,7 @@ is `lowering.mega_attention.reference` (the model's own functions); Inductor low
 `lowering.mega_attention` generates; `mxfp8` is True where quant="ref"'s MXFP8 rounding follows
 (`model.quant.fake_quant_mxfp8` on the output in WO-A's group layout: its blocks of 32 lie within a
 head). The quantiser's scale rule is checked by running the graph's own scale ops on probe values
-(`graph.computes`), so a rule that differs anywhere (another floor, rounding the exponent down) stays
+(`_computes`), so a rule that differs anywhere (another floor, rounding the exponent down) stays
 unfused with the reason. Where q is that RoPE of x by the angles of the inverse RoPE and private
 to the chain, the op takes x and `q_rope=True` (its kernel rotates q in its prologue); otherwise q's
 RoPE stays outside and the spec's `left_unfused` says why. The row gathers and the byte decodes
@@ -44,12 +44,12 @@ import math
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import ops
 from .base import Candidate, FusionPass, NoMatch
-from .key_rows import key_segments
-from .graph import FLOATS, aten, call, computes, dims, dtype, is_convert, is_last_dim, is_op, is_size, keeps_leading, moves, \
-    per_row, scalar, sole_user, source_groups, subgraph, under_slices, unpadded, val, walk
+from .graph import FLOATS, aten, call, dims, dtype, is_convert, is_last_dim, is_op, keeps_leading, moves, per_row, scalar, \
+    sole_user, source_groups, under_slices, unpadded, val, walk
 from .registry import register
 
 
@@ -105,6 +105,38 @@ _AMAX_PROBES = torch.cat((torch.tensor([0.0, 1e-6, 9.99e-5, 1e-4, 1.0001e-4, 0.5
                           torch.rand(64, generator=torch.Generator().manual_seed(0)) * 1e3))[:, None]
 
 
+def _computes(start: fx.Node, end: fx.Node, reference, probes: torch.Tensor) -> bool:
+    """Whether `end` is a function of `start` alone (constants aside) through call_function nodes,
+    and computes `reference` on `probes` exactly: the graph's own ops run on them."""
+    needed = set(_between(start, end))
+    if any(node.op != "call_function" for node in needed):
+        return False
+    graph = fx.Graph()
+    env = {start: graph.placeholder("x")}
+    for node in start.graph.nodes:  # in graph order: inputs before users
+        if node in needed:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(env[end])
+    with unset_fake_temporarily():  # the passes run under the compile's fake mode; the probes are real
+        try:
+            got = fx.GraphModule({}, graph)(probes)
+        except Exception:  # an op that does not run eagerly on the probes: not the rule
+            return False
+        return isinstance(got, torch.Tensor) and torch.equal(got, reference(probes))
+
+
+def _between(start: fx.Node, end: fx.Node) -> list[fx.Node]:
+    """`end` and the nodes it is computed from, down to `start` (excluded) or to the graph's inputs."""
+    found, stack = {}, [end]
+    while stack:
+        node = stack.pop()
+        if node is not start and node not in found:
+            found[node] = None
+            if node.op == "call_function":
+                stack.extend(node.all_input_nodes)
+    return list(found)
+
+
 def _mxfp8_scale(amax: torch.Tensor) -> torch.Tensor:
     """The MXFP8 scale rule the kernel's epilogue applies: 2^ceil(log2(max(amax, floor) / 448))."""
     from megafuse.model import quant
@@ -153,7 +185,7 @@ def _mxfp8_tail(final: fx.Node, head_dim: int) -> tuple[fx.Node, list[fx.Node], 
         raise NoMatch(f"MXFP8 blocks of 32 over head_dim {head_dim} in {dtype(blocks)}: the epilogue rounds "
                       "fp32 blocks within a head")
     scale = divided.args[1]
-    if not computes(amax, scale, _mxfp8_scale, _AMAX_PROBES):
+    if not _computes(amax, scale, _mxfp8_scale, _AMAX_PROBES):
         raise NoMatch("the MXFP8 scale is not 2^ceil(log2(max(amax, 1e-4) / 448)) of each block's amax")
     clamp = sole_user(divided)
     if clamp is None:
@@ -175,9 +207,12 @@ def _mxfp8_tail(final: fx.Node, head_dim: int) -> tuple[fx.Node, list[fx.Node], 
     if end is None or dtype(end) != dtype(final) or end is not reshape and not is_convert(end):
         raise NoMatch(f"the rounded output does not return to {dtype(final)}")
     clamps = [clamp] + ([top] if top is not clamp else [])
-    nodes = [*path[1:], absolute, amax, *(n for n in subgraph(amax, scale) if not is_size(n)), divided, *clamps, fp8, widened,
+    nodes = [*path[1:], absolute, amax, *_between(amax, scale), divided, *clamps, fp8, widened,
              *walk(_other(product, widened))[:-1], product, reshape] + ([end] if end is not reshape else [])
     return end, nodes, reshape
+
+
+_BEFORE_THE_SCORES = "the row gathers and byte decodes before the scores"
 
 
 def _candidate(gemm: fx.Node, chain: list[fx.Node], final: fx.Node, spec, inputs: dict,
@@ -188,9 +223,7 @@ def _candidate(gemm: fx.Node, chain: list[fx.Node], final: fx.Node, spec, inputs
     for node in nodes:
         if node is not final and not all(user in inside for user in node.users):
             raise NoMatch(f"intermediate {node.name} is also used outside the attention chain")
-    before = "the row gathers" if any(f != "values" for f in spec.key_formats) else "the row gathers and byte decodes"
-    return Candidate(gemm, nodes, spec, inputs=inputs, left_unfused=[*left_unfused, f"{before} before the scores"],
-                     **fields)
+    return Candidate(gemm, nodes, spec, inputs=inputs, left_unfused=[*left_unfused, _BEFORE_THE_SCORES], **fields)
 
 
 def _q_rope(q: fx.Node, head_dim: int, rope_dim: int, angles: fx.Node, rows: list) -> tuple[fx.Node, list[fx.Node]]:
@@ -208,15 +241,6 @@ def _q_rope(q: fx.Node, head_dim: int, rope_dim: int, angles: fx.Node, rows: lis
     if _cut(walk(q_angles), rows, [rd // 2], "q's angles", broadcast=True)[-1] is not angles:
         raise NoMatch("q is rotated by other angles than the output is rotated back by")
     return x, nodes
-
-
-def _unsqueezed(lead: list, rows: list) -> list:
-    """The views that give a key segment with leading dims `lead` the output's rows: unit dims in
-    front (the model's keys[None])."""
-    extra = len(rows) - len(lead)
-    if extra < 0 or rows[extra:] != lead or any(d != 1 for d in rows[:extra]):
-        raise NoMatch(f"a key segment's rows {lead} are not the output's rows {rows}")
-    return [(aten.unsqueeze.default, (0,))] * extra
 
 
 def _viewed_fake(t, views: list):
@@ -545,7 +569,7 @@ def _dense_candidate(gemm: fx.Node, pv: fx.Node, p: fx.Node, v: fx.Node, pv_node
     to_rows = [(aten.permute.default, ([0, 2, 1, 3],))]
     return dict(chain=chain, joined=joined, q=q, keys=keys, valid=valid_b, sink=sink_path[-1],
                 angles=angles, scale=float(scalar(scaled.args[1])), head_dim=head_dim,
-                views={"q": to_rows, "keys": [[] if len(dims(keys)) == 4 else [(aten.unsqueeze.default, (1,))]],
+                views={"q": to_rows, "keys": [] if len(dims(keys)) == 4 else [(aten.unsqueeze.default, (1,))],
                        "valid": [(aten.select.int, (1, 0))], "out": to_rows})
 
 
@@ -644,28 +668,19 @@ class MegaAttentionPass(FusionPass):
         if tail is not None:
             final, tail_nodes, _ = tail
 
-        # 4. q and the keys in one dtype; everything but the output private to the chain. Keys decoded
-        # from cache rows: the op takes the rows (each segment viewed to the output's rows).
+        # 4. q and the keys in one dtype; everything but the output private to the chain.
         if dtype(q) != dtype(keys):
             raise NoMatch(f"q is {dtype(q)} and the keys {dtype(keys)}: the kernel reads one dtype")
-        try:
-            key_inputs, key_formats, key_nodes, key_notes = key_segments(keys, head_dim)
-            key_views = [_unsqueezed(dims(k)[:-2], rows) for k in key_inputs]
-        except NoMatch as e:
-            key_inputs, key_formats, key_nodes, key_notes = [keys], ("values",), [], [f"the keys' decode: {e.reason}"]
-            key_views = [[]]
         chain = [*pv_nodes, *qk[2], *p_path[:-1], div, exp_s, sub, denom, total, sink_exp, sink_exp.args[0], m, masked,
                  masked.args[0], scaled, *s_path, *q_path[:-1], *k_path[:-1], *v_path[:-1], *o_path[1:], *rope_nodes,
-                 cast, *(tail_nodes if tail else ()), final, *key_nodes]
+                 cast, *(tail_nodes if tail else ()), final]
         chain += [n for x in (amax, total) for n in per_row(x, masked if x is amax else exp_s, ("amax", "max", "sum"))]
 
         def candidate(q_in: fx.Node, q_nodes: list[fx.Node], left_unfused: tuple[str, ...]) -> Candidate:
             spec = ops.attention_spec(val(q_in), val(angles), float(scalar(scaled.args[1])),
-                                      str(dtype(cast)).removeprefix("torch."), tail is not None, q_in is not q,
-                                      key_formats)
-            inputs = {"q": q_in, "keys": key_inputs, "valid": valid, "sink": sink_path[-1], "angles": angles,
-                      "views": {"keys": key_views}}
-            return _candidate(gemm, chain + q_nodes, final, spec, inputs, left_unfused + tuple(key_notes),
+                                      str(dtype(cast)).removeprefix("torch."), tail is not None, q_in is not q)
+            inputs = {"q": q_in, "keys": keys, "valid": valid, "sink": sink_path[-1], "angles": angles}
+            return _candidate(gemm, chain + q_nodes, final, spec, inputs, left_unfused,
                               outputs={"out": final, "shape_of": tail[2] if tail else None}, insert_before=cast)
 
         # 5. q's RoPE by the same angles, where it is private to the chain; else it stays unfused.
@@ -683,16 +698,15 @@ class MegaAttentionPass(FusionPass):
         views = d["views"]
         q_rows = _viewed_fake(val(d["q"]), views["q"])
         spec = ops.attention_spec(q_rows, val(d["angles"]), d["scale"], str(dtype(d["joined"])).removeprefix("torch."),
-                                  False, False, ("values",))
-        inputs = {name: d[name] for name in ("q", "valid", "sink", "angles")} | {"keys": [d["keys"]]}
+                                  False, False)
+        inputs = {name: d[name] for name in ("q", "keys", "valid", "sink", "angles")}
         return _candidate(gemm, d["chain"], d["joined"], spec, inputs | {"views": views},
                           ("the q RoPE: HF rotates q before its [batch, heads, queries] transpose (not matched)",),
                           outputs={"out": d["joined"], "shape_of": None}, insert_before=d["joined"])
 
     def check(self, candidate: Candidate) -> str | None:
-        i, views = candidate.inputs, candidate.inputs["views"]
-        q, valid = (_viewed_fake(val(i[name]), views.get(name, [])) for name in ("q", "valid"))
-        keys = [_viewed_fake(val(k), v) for k, v in zip(i["keys"], views["keys"])]
+        i, views = candidate.inputs, candidate.inputs.get("views", {})
+        q, keys, valid = (_viewed_fake(val(i[name]), views.get(name, [])) for name in ("q", "keys", "valid"))
         return ops.attention_unsupported(q, keys, valid, val(i["sink"]).float(), val(i["angles"]),
                                          *ops.attention_scalars(candidate.spec))
 
@@ -703,12 +717,11 @@ class MegaAttentionPass(FusionPass):
             if dtype(sink) != torch.float32:
                 sink = call(graph, torch.ops.prims.convert_element_type.default, (sink, torch.float32),
                             val(sink).float())
-            views = i["views"]
-            q, valid = (_viewed(graph, i[name], views.get(name, [])) for name in ("q", "valid"))
-            keys = [_viewed(graph, k, v) for k, v in zip(i["keys"], views["keys"])]
+            views = i.get("views", {})
+            q, keys, valid = (_viewed(graph, i[name], views.get(name, [])) for name in ("q", "keys", "valid"))
             args = (q, keys, valid, sink, i["angles"], *ops.attention_scalars(candidate.spec))
-            fake_args = [[val(k) for k in a] if a is keys else val(a) for a in args]
-            fused = call(graph, torch.ops.megafuse.mega_attention.default, args, ops.attention_fake(*fake_args))
+            fused = call(graph, torch.ops.megafuse.mega_attention.default, args,
+                         ops.attention_fake(*(val(a) for a in args)))
             fused.meta["stack_trace"] = candidate.anchor.meta.get("stack_trace")
             result = _viewed(graph, fused, views.get("out", []))
         shape_of = candidate.outputs["shape_of"]

@@ -231,36 +231,32 @@ _bind(torch.ops.megafuse.mega_mhc.default, torch.ops.megafuse.mega_mhc_kernel.de
 
 
 # ---- megafuse::mega_attention ---------------------------------------------------------------------
-# q [..., H, Dh], keys: one [..., J_i, row] tensor per key segment (K = V; key_formats says how each
-# stores its rows, comma-separated: values [.., J_i, Dh] or one of the cache's byte rows), valid [..., sum J_i] bool,
-# sink [H] fp32 and angles [..., rope_dim / 2] fp32, one leading shape (the rows) for all -> out
-# [..., H, Dh] in out_dtype.
+# q [..., H, Dh], keys [..., J, Dh] (K = V), valid [..., J] bool, sink [H] fp32 and angles
+# [..., rope_dim / 2] fp32, one leading shape (the rows) for all -> out [..., H, Dh] in out_dtype.
 # The keys, the mask and the angles may broadcast against the rows where their leading dim is 1:
 # one position per token for every sequence of a batch (angles [1, T, ..] for q [B, T, ..]), one
 # key set per sequence for all its queries (HF's dense layout: keys [B, 1, J, Dh]).
 # The shapes bind heads, head_dim and rope_dim; the scalars the rest. With q_rope, q is the query
 # before its RoPE (the op rotates its tail by the same angles the output is rotated back by).
 
-ATTENTION_SCALARS = ("scale", "out_dtype", "mxfp8", "q_rope", "key_formats")
+ATTENTION_SCALARS = ("scale", "out_dtype", "mxfp8", "q_rope")
 
 
 def attention_spec(q: torch.Tensor, angles: torch.Tensor, scale: float, out_dtype: str, mxfp8: bool,
-                   q_rope: bool, key_formats) -> "attention_kernels.AttentionSpec":
-    return _attention_spec(q.shape[-2], q.shape[-1], angles.shape[-1] * 2, q.dtype, scale, out_dtype, mxfp8, q_rope,
-                           tuple(key_formats.split(",")) if isinstance(key_formats, str) else tuple(key_formats))
+                   q_rope: bool) -> "attention_kernels.AttentionSpec":
+    return _attention_spec(q.shape[-2], q.shape[-1], angles.shape[-1] * 2, q.dtype, scale, out_dtype, mxfp8, q_rope)
 
 
 @functools.cache  # one spec per site, asked for on every call of the op
-def _attention_spec(heads, head_dim, rope_dim, key_dtype, scale, out_dtype, mxfp8, q_rope,
-                    key_formats) -> "attention_kernels.AttentionSpec":
+def _attention_spec(heads, head_dim, rope_dim, key_dtype, scale, out_dtype, mxfp8,
+                    q_rope) -> "attention_kernels.AttentionSpec":
     return attention_kernels.AttentionSpec(heads=heads, head_dim=head_dim, rope_dim=rope_dim, scale=scale,
                                            key_dtype=_dtype_name(key_dtype), out_dtype=out_dtype, mxfp8=mxfp8,
-                                           q_rope=q_rope, key_formats=key_formats)
+                                           q_rope=q_rope)
 
 
 def attention_scalars(spec: "attention_kernels.AttentionSpec") -> tuple:
-    """The op's arguments after the tensors; key_formats joined by commas (an op takes no str list)."""
-    return tuple(",".join(v) if isinstance(v, tuple) else v for v in (getattr(spec, name) for name in ATTENTION_SCALARS))
+    return tuple(getattr(spec, name) for name in ATTENTION_SCALARS)
 
 
 def _run_attention(impl, q, keys, valid, sink, angles, scalars, check_only=False):
@@ -269,13 +265,13 @@ def _run_attention(impl, q, keys, valid, sink, angles, scalars, check_only=False
     per sequence for all its queries) take one launch per index of the first leading dim."""
     spec = attention_spec(q, angles, *scalars)
     lead = q.shape[:-2]
-    keys = [_broadcast_rows(f"keys[{i}]", k, 2, lead) for i, k in enumerate(keys)]
-    valid, angles = (_broadcast_rows(name, t, 1, lead) for name, t in (("valid", valid), ("angles", angles)))
-    if len(lead) > 1 and not all(_flattens(k, 2) for k in keys):
-        per_index = [_run_attention(impl, q[i], [k[i] for k in keys], valid[i], sink, angles[i], scalars, check_only)
+    keys, valid, angles = (_broadcast_rows(name, t, keep, lead) for name, t, keep in
+                           (("keys", keys, 2), ("valid", valid, 1), ("angles", angles, 1)))
+    if len(lead) > 1 and not _flattens(keys, 2):
+        per_index = [_run_attention(impl, q[i], keys[i], valid[i], sink, angles[i], scalars, check_only)
                      for i in range(1 if check_only else lead[0])]
         return None if check_only else torch.stack(per_index)
-    args = (_flat(q, 2), [_flat(k, 2) for k in keys], _flat(valid, 1), sink, _flat(angles, 1), spec)
+    args = (_flat(q, 2), _flat(keys, 2), _flat(valid, 1), sink, _flat(angles, 1), spec)
     if check_only:
         return attention_kernels.validate(*args)
     out = impl(*args)
@@ -311,23 +307,20 @@ def attention_unsupported(q, keys, valid, sink, angles, *scalars) -> str | None:
 
 
 @torch.library.custom_op("megafuse::mega_attention", mutates_args=())
-def mega_attention(q: torch.Tensor, keys: list[torch.Tensor], valid: torch.Tensor, sink: torch.Tensor,
-                   angles: torch.Tensor, scale: float, out_dtype: str, mxfp8: bool, q_rope: bool,
-                   key_formats: str) -> torch.Tensor:
-    """(q RoPE +) the keys' decode + sparse attention with the sink + inverse RoPE + the cast (+ MXFP8):
-    the torch reference."""
-    return _run_attention(attention_kernels.reference, q, keys, valid, sink, angles,
-                          (scale, out_dtype, mxfp8, q_rope, key_formats))
+def mega_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                   angles: torch.Tensor, scale: float, out_dtype: str, mxfp8: bool, q_rope: bool) -> torch.Tensor:
+    """(q RoPE +) sparse attention with the sink + inverse RoPE + the cast (+ MXFP8): the torch reference."""
+    return _run_attention(attention_kernels.reference, q, keys, valid, sink, angles, (scale, out_dtype, mxfp8, q_rope))
 
 
-def mega_attention_kernel(q: torch.Tensor, keys: list[torch.Tensor], valid: torch.Tensor, sink: torch.Tensor,
+def mega_attention_kernel(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
                           angles: torch.Tensor, scale: float, out_dtype: str, mxfp8: bool,
-                          q_rope: bool, key_formats: str) -> torch.Tensor:
+                          q_rope: bool) -> torch.Tensor:
     return _run_attention(attention_kernels.mega_attention, q, keys, valid, sink, angles,
-                          (scale, out_dtype, mxfp8, q_rope, key_formats))
+                          (scale, out_dtype, mxfp8, q_rope))
 
 
-def attention_fake(q, keys, valid, sink, angles, scale, out_dtype, mxfp8, q_rope, key_formats):
+def attention_fake(q, keys, valid, sink, angles, scale, out_dtype, mxfp8, q_rope):
     return q.new_empty(q.shape, dtype=attention_kernels.DTYPES[out_dtype])
 
 

@@ -11,16 +11,13 @@ differs from it in the last bits only (summation order), so the checks are, per 
     values straddled a rounding boundary); such elements are counted and must be rare.
 """
 
-import dataclasses
-
 import pytest
 import torch
 
 from megafuse.lowering import kernel_cache
-from megafuse.lowering.mega_attention import (AttentionSpec, choose_config, decode_keys, generate_source, mega_attention,
-                                              reference, unsupported_reason)
+from megafuse.lowering.mega_attention import (AttentionSpec, choose_config, generate_source, mega_attention, reference,
+                                              unsupported_reason)
 from megafuse.model import quant
-from megafuse.model.cache import named_codec
 from megafuse.model.rope import apply_rope
 from tests.marks import slow_beyond
 
@@ -33,8 +30,7 @@ def _kernel_cache_in_tmp(tmp_path_factory):
 
 
 def make_inputs(R, H, Dh, rd, J, dtype, seed, p_valid=0.7):
-    """Random rows, their keys one segment of values; row 0 has no valid key (its output is exactly
-    0), row 1 one valid key."""
+    """Random rows; row 0 has no valid key (its output is exactly 0), row 1 one valid key."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(R, H, Dh, generator=g).to(dtype)
     keys = torch.randn(R, J, Dh, generator=g).to(dtype)
@@ -45,7 +41,7 @@ def make_inputs(R, H, Dh, rd, J, dtype, seed, p_valid=0.7):
         valid[1, J - 1] = True
     sink = torch.randn(H, generator=g)
     angles = torch.rand(R, rd // 2, generator=g) * 100.0  # RoPE angles of positions up to ~100
-    return q, [keys], valid, sink, angles
+    return q, keys, valid, sink, angles
 
 
 def spec_for(H, Dh, rd, dtype, out_dtype=None, mxfp8=False, q_rope=False):
@@ -129,10 +125,10 @@ def test_the_launch_fits_hopper_at_v4_widths():
     decode rows split the keys until rows x head blocks x splits fills the GPU twice over."""
     spec = AttentionSpec(heads=64, head_dim=512, rope_dim=64, scale=512 ** -0.5, key_dtype="bfloat16",
                          out_dtype="bfloat16", mxfp8=True)
-    one = choose_config(spec, rows=1, segment_keys=[128, 512])  # V4's SWA window and top-k
-    assert (one.block_h, one.block_j, one.splits, one.tiles_per_split) == (16, 32, 10, 2)
-    assert choose_config(spec, rows=64, segment_keys=640).splits == 2
-    assert choose_config(spec, rows=4096, segment_keys=640).splits == 1
+    one = choose_config(spec, rows=1, n_keys=640)
+    assert (one.block_h, one.block_j, one.splits, one.keys_per_split) == (16, 32, 10, 64)
+    assert choose_config(spec, rows=64, n_keys=640).splits == 2
+    assert choose_config(spec, rows=4096, n_keys=640).splits == 1
     with pytest.raises(ValueError, match="splits must be >= 1"):
         choose_config(spec, 1, 640, splits=0)
 
@@ -147,7 +143,7 @@ def test_mxfp8_rounds_ties_to_even_subnormals_and_saturation_like_the_model():
     key = torch.cat((block, block * 2.0 ** -20))[None, None, :]  # the second block: a tiny scale
     spec = AttentionSpec(heads=1, head_dim=Dh, rope_dim=0, scale=1.0, key_dtype="float32", out_dtype="float32",
                          mxfp8=True)
-    inputs = (torch.ones(1, 1, Dh) * 1e-3, [key], torch.ones(1, 1, dtype=torch.bool), torch.tensor([-1e4]),
+    inputs = (torch.ones(1, 1, Dh) * 1e-3, key, torch.ones(1, 1, dtype=torch.bool), torch.tensor([-1e4]),
               torch.zeros(1, 0))
     got = mega_attention(*inputs, spec)
     assert torch.equal(got[0, 0], quant.fake_quant_mxfp8(key[0, 0]))
@@ -158,7 +154,7 @@ def test_empty_and_keyless_rows():
     q, keys, valid, sink, angles = make_inputs(3, 4, 32, 8, 0, torch.float32, seed=1)
     spec = spec_for(4, 32, 8, torch.float32)
     assert torch.equal(mega_attention(q, keys, valid, sink, angles, spec), torch.zeros(3, 4, 32))
-    none = mega_attention(q[:0], [keys[0][:0]], valid[:0], sink, angles[:0], spec)
+    none = mega_attention(q[:0], keys[:0], valid[:0], sink, angles[:0], spec)
     assert none.shape == (0, 4, 32)
 
 
@@ -168,11 +164,7 @@ def test_unsupported_specs_and_bad_inputs_are_named():
     for change, message in ((dict(head_dim=48), "power of two"), (dict(rope_dim=15), "even"),
                             (dict(rope_dim=80), "within head_dim"), (dict(key_dtype="int8"), "not supported"),
                             (dict(heads=0), "at least one"), (dict(head_dim=16, mxfp8=True), "MXFP8 blocks"),
-                            (dict(rope_dim=0, q_rope=True), "q RoPE needs rope_dim"),
-                            (dict(key_formats=("fp4",)), "each must be one of values, raw, swa_fp8, global_fp4"),
-                            (dict(key_formats=()), "each must be one of"),
-                            (dict(head_dim=16, key_formats=("swa_fp8",)), "multiple of 32"),
-                            (dict(key_dtype="float16", key_formats=("raw",)), "raw keys hold float32 or bfloat16")):
+                            (dict(rope_dim=0, q_rope=True), "q RoPE needs rope_dim")):
         spec = AttentionSpec(**{**good.__dict__, **change})
         assert message in unsupported_reason(spec)
         with pytest.raises(ValueError, match=message):
@@ -182,78 +174,7 @@ def test_unsupported_specs_and_bad_inputs_are_named():
         mega_attention(q, keys, valid.int(), sink, angles, good)
     with pytest.raises(ValueError, match=r"angles must be float32 \[3, 8\]"):
         mega_attention(q, keys, valid, sink, angles[:, :4], good)
-    with pytest.raises(ValueError, match="q dtype torch.bfloat16 does not match spec key_dtype"):
-        mega_attention(q.bfloat16(), keys, valid, sink, angles, good)
-    with pytest.raises(ValueError, match=r"keys\[0\] \(values\) must be float32 \[3, J, 64\], got bfloat16"):
-        mega_attention(q, [keys[0].bfloat16()], valid, sink, angles, good)
-    with pytest.raises(ValueError, match=r"keys must be a sequence of 1 tensors"):
-        mega_attention(q, keys[0], valid, sink, angles, good)
-    rows = dataclasses.replace(good, key_formats=("swa_fp8",))
-    with pytest.raises(ValueError, match=r"keys\[0\] \(swa_fp8\) must be uint8 \[3, J, 66\]"):
-        mega_attention(q, [quant.encode_global_fp4(keys[0])], valid, sink, angles, rows)
-
-
-# ---- keys read as the cache's byte rows ---------------------------------------------------------
-
-def encoded_segments(values: list[torch.Tensor], formats: tuple[str, ...], dtype) -> list[torch.Tensor]:
-    """Each segment of key values stored as the cache stores it (model.cache's codecs)."""
-    Dh = values[0].shape[-1]
-    return [v.to(dtype) if fmt == "values" else named_codec(fmt, Dh, dtype).encode(v.to(dtype))
-            for v, fmt in zip(values, formats)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_keys_in_every_row_format_equal_the_chain_on_the_decoded_rows(dtype, splits):
-    """An FP8 SWA segment, an FP4 global one, raw rows and values in one row's keys: the kernel
-    decodes each tile as model.cache decodes the rows. Row 0 has no valid key, row 1 fewer valid
-    SWA rows than its window, row 2 an all-invalid global set."""
-    R, H, Dh, rd = 4, 4, 64, 16
-    formats, J = ("swa_fp8", "global_fp4", "raw", "values"), [8, 20, 5, 3]
-    g = torch.Generator().manual_seed(21 + splits)
-    values = [torch.randn(R, j, Dh, generator=g) * 3.0 for j in J]
-    keys = encoded_segments(values, formats, dtype)
-    valid = torch.rand(R, sum(J), generator=g) < 0.7
-    valid[0] = False
-    valid[1, :5] = False
-    valid[2, 8:28] = False
-    q = torch.randn(R, H, Dh, generator=g).to(dtype)
-    sink, angles = torch.randn(H, generator=g), torch.rand(R, rd // 2, generator=g) * 100.0
-    spec = dataclasses.replace(spec_for(H, Dh, rd, dtype, out_dtype="float32", q_rope=True), key_formats=formats)
-    config = choose_config(spec, R, J, splits, device="cpu")
-    got = mega_attention(q, keys, valid, sink, angles, spec, config)
-    want = reference(q, keys, valid, sink, angles, spec)
-    decoded = [decode_keys(k, fmt, spec) for k, fmt in zip(keys, formats)]
-    assert not torch.equal(decoded[0], values[0].to(dtype))  # the FP8 / FP4 rows are rounded values
-    plain = dataclasses.replace(spec, key_formats=("values",))
-    assert torch.equal(want, reference(q, [torch.cat(decoded, 1)], valid, sink, angles, plain))
-    assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
-    assert torch.equal(got[0], torch.zeros_like(got[0]))
-
-
-@pytest.mark.parametrize("fmt", ["swa_fp8", "global_fp4"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_code_of_a_byte_row_decodes_as_the_model_decodes_it(fmt, dtype):
-    """Random bytes (every element code but e4m3's NaN, scales over a wide range) as rows of one
-    valid key each, a sink far below: the output is the decoded key exactly."""
-    R, H, Dh, J = 2, 2, 64, 24
-    spec = AttentionSpec(heads=H, head_dim=Dh, rope_dim=0, scale=1.0, key_dtype=str(dtype).removeprefix("torch."),
-                         out_dtype="float32", mxfp8=False, key_formats=(fmt,))
-    g = torch.Generator().manual_seed(5)
-    rows = torch.randint(0, 256, (R, J, named_codec(fmt, Dh, dtype).row_bytes), dtype=torch.uint8, generator=g)
-    elements = Dh if fmt == "swa_fp8" else Dh // 2
-    codes, scales = rows[..., :elements], rows[..., elements:]
-    if fmt == "swa_fp8":
-        codes[(codes & 0x7F) == 0x7F] = 0x7E  # e4m3's NaN codes: the encoder never writes them
-        scales.copy_(torch.randint(100, 150, scales.shape, dtype=torch.uint8, generator=g))  # 2^-27 .. 2^22
-    else:
-        scales[(scales & 0x7F) == 0x7F] = 0x70
-    elements_seen = codes if fmt == "swa_fp8" else torch.cat((codes & 0xF, codes >> 4))  # e2m1: a nibble each
-    assert len(torch.unique(elements_seen)) == (254 if fmt == "swa_fp8" else 16)
-    want = decode_keys(rows, fmt, spec).float()
-    q, sink = torch.zeros(R, H, Dh, dtype=dtype), torch.full((H,), -1e30)
-    for j in range(J):
-        valid = torch.zeros(R, J, dtype=torch.bool)
-        valid[:, j] = True
-        got = mega_attention(q, [rows], valid, sink, torch.zeros(R, 0), spec)
-        assert torch.equal(got, want[:, j, None].expand(R, H, Dh)), j
+    with pytest.raises(ValueError, match="does not match spec key_dtype"):
+        mega_attention(q.bfloat16(), keys.bfloat16(), valid, sink, angles, good)
+    with pytest.raises(ValueError, match=r"keys must be \[3, J, 64\]"):
+        mega_attention(q, keys[:2], valid[:2], sink, angles, good)

@@ -5,7 +5,6 @@ import torch
 from torch import nn
 
 from megafuse.model import quant
-from megafuse.model.cache import named_codec
 from megafuse.model.attention import sparse_attention_with_sink
 from megafuse.model.rope import apply_rope
 
@@ -132,47 +131,6 @@ class FloorScaleMxfp8(AttentionChainMxfp8):
         scale = (((ratio.view(torch.int32) >> 23) & 0xFF) << 23).view(torch.float32)
         values = (blocks / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
         return (values * scale).flatten(-2).to(x.dtype)
-
-
-# ---- the runtime's step: keys gathered as cache rows (bytes) and decoded, then the chain ----------
-
-class CachedKeysChain(RopedQChain):
-    """`Attention.step`'s form: rows [R, J_i, row bytes] per key segment, each decoded by the cache's
-    codec (model.cache) and joined along the keys, then the chain on [1, R] rows (its keys[None])."""
-
-    formats = ("swa_fp8", "global_fp4")
-
-    def decode(self, rows, fmt, dtype, head_dim):
-        return named_codec(fmt, head_dim, dtype).decode(rows, dtype)
-
-    def forward(self, q, *rows_and_rest):
-        *rows, valid, angles = rows_and_rest
-        dtype, head_dim = q.dtype, q.shape[-1]
-        keys = torch.cat([self.decode(r, fmt, dtype, head_dim) for r, fmt in zip(rows, self.formats)], dim=1)
-        return super().forward(q[None], keys[None], valid[None], angles[None])[0]
-
-
-class RawKeysChain(CachedKeysChain):
-    """quant="none": the rows hold the values' own bits."""
-
-    formats = ("raw", "raw")
-
-
-class SwaOnlyKeysChain(CachedKeysChain):
-    """An SWA-only layer: one segment of FP8 rows."""
-
-    formats = ("swa_fp8",)
-
-
-class Ue8m0ScaledFp4Keys(CachedKeysChain):
-    """Near miss for the decode: FP4 rows whose scale bytes are read as ue8m0 (2^(byte - 127))
-    instead of e4m3: another row format, which the kernel does not read."""
-
-    def decode(self, rows, fmt, dtype, head_dim):
-        if fmt != "global_fp4":
-            return super().decode(rows, fmt, dtype, head_dim)
-        values = quant._unpack_e2m1(rows[..., :head_dim // 2]).unflatten(-1, (-1, 16))
-        return (values * quant._ue8m0_from_byte(rows[..., head_dim // 2:])[..., None]).flatten(-2).to(dtype)
 
 
 # ---- HF transformers' DeepseekV4 attention: its own functions, dense [batch, heads, queries, keys] ----

@@ -2,19 +2,16 @@
 near misses left alone with the reason. Compiled through Inductor's real post-grad passes
 (`post_grad.fuse`) and run with the generated kernel (the Triton interpreter on the CPU)."""
 
-import re
-
 import pytest
 import torch
 from torch._inductor import config as inductor_config
 
 from megafuse.lowering import kernel_cache
 from megafuse.model import build_model
-from megafuse.model.cache import named_codec
-from tests.passes.attention_clients import (AttentionChain, AttentionChainMxfp8, CachedKeysChain, FloorScaleMxfp8,
-                                            ForwardRope, HFDenseChain, HFForwardRope, HFSinkKept, NoSinkInDenominator,
-                                            NoSinkInMax, RawKeysChain, RopedQChain, RopedQOtherAngles, RopeOnHead,
-                                            SoftmaxOverHeads, SwaOnlyKeysChain, Ue8m0ScaledFp4Keys, ValuesNotKeys)
+from tests.passes.attention_clients import (AttentionChain, AttentionChainMxfp8, FloorScaleMxfp8, ForwardRope,
+                                            HFDenseChain, HFForwardRope, HFSinkKept, NoSinkInDenominator, NoSinkInMax,
+                                            RopedQChain, RopedQOtherAngles, RopeOnHead, SoftmaxOverHeads,
+                                            ValuesNotKeys)
 from tests.passes.cuda_forms import TORCH_2_11_FORMS
 from tests.passes.online_softmax import online_softmax
 from tests.passes.post_grad import fuse
@@ -204,55 +201,6 @@ def test_every_attention_layer_of_a_quant_ref_model_fuses_with_its_mxfp8(tiny_fp
     assert [m.spec["mxfp8"] for m in fused.report.matches("mega_attention")] == [True] * cfg.n_layers
     assert [m.spec["q_rope"] for m in fused.report.matches("mega_attention")] == [True] * cfg.n_layers
     assert _rel(logits, want) <= 1e-5
-
-
-# ---- keys gathered as cache rows: the decode read into the kernel -----------------------------------
-
-def _row_inputs(module, R, dtype, seed):
-    """q [R, H, D], one uint8 tensor of cache rows per segment of module.formats (6 SWA-like rows,
-    10 global-like), valid [R, J], angles [R, rd / 2]: row 0 sees no key, row 1 fewer SWA rows
-    than 6, row 2 no global row."""
-    g = torch.Generator().manual_seed(seed)
-    J = [6, 10][:len(module.formats)]
-    q = torch.randn(R, HEADS, HEAD_DIM, generator=g).to(dtype)
-    rows = [named_codec(fmt, HEAD_DIM, dtype).encode((torch.randn(R, j, HEAD_DIM, generator=g) * 2).to(dtype))
-            for fmt, j in zip(module.formats, J)]
-    valid = torch.rand(R, sum(J), generator=g) < 0.7
-    valid[0], valid[1, :3] = False, False
-    valid[2, 6:] = False
-    return (q, *rows, valid, torch.rand(R, ROPE_DIM // 2, generator=g) * 100)
-
-
-@pytest.mark.parametrize("module", [CachedKeysChain, RawKeysChain, SwaOnlyKeysChain])
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_keys_decoded_from_cache_rows_are_read_as_rows(module, dtype, tol):
-    """The step's keys: FP8 SWA + FP4 global rows (quant="ref"), raw rows (quant="none"), an
-    SWA-only layer. The op takes the bytes; nothing but views is left of the decodes and the chain."""
-    module = module(HEADS, HEAD_DIM, out_dtype=dtype)
-    args = _row_inputs(module, 5, dtype, seed=4)
-    fused, out = _run_fused(module, args)
-    assert fused.report.counts() == {"mega_attention": 1}
-    match = fused.report.matches("mega_attention")[0]
-    assert match.spec["key_formats"] == module.formats and match.spec["q_rope"] is True
-    assert match.spec["left_unfused"] == ["the row gathers before the scores"]
-    ops = set(re.findall(r"target=torch\.ops\.([a-z_]+\.[a-z_0-9]+)", fused.post_grad_graphs[0]))
-    assert ops <= {"megafuse.mega_attention", "aten.unsqueeze", "aten.select", "aten.squeeze", "aten.view"}, ops
-    assert torch.equal(out[0], torch.zeros_like(out[0]))
-    assert _rel(out, module(*args)) <= tol
-
-
-def test_a_decode_of_another_row_format_stays_outside_and_says_why():
-    """FP4 rows whose scales are read as ue8m0: the kernel reads the FP8 SWA rows, and the other
-    segment arrives decoded by Inductor's code, with the reason in the report."""
-    module = Ue8m0ScaledFp4Keys(HEADS, HEAD_DIM)
-    args = _row_inputs(module, 5, torch.float32, seed=5)
-    fused, out = _run_fused(module, args)
-    assert fused.report.counts() == {"mega_attention": 1}
-    spec = fused.report.matches("mega_attention")[0].spec
-    assert spec["key_formats"] == ("swa_fp8", "values")
-    assert spec["left_unfused"][0] == ("the keys' decode: segment 1 is computed from uint8 rows [5, 10, 18] by no "
-                                       "decode the kernel reads (swa_fp8, global_fp4, raw in float32)")
-    assert _rel(out, module(*args)) <= 1e-5
 
 
 # ---- HF transformers' dense form ----------------------------------------------------------------
