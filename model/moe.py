@@ -13,6 +13,8 @@ as a batched GEMM over each slot's gathered expert weights (fine at the tiny CPU
 Neither computes every expert on every token.
 """
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -95,13 +97,26 @@ class Experts(nn.Module):
 
     def forward(self, u: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         n_tokens, k = idx.shape
-        slot_expert = idx.flatten()
-        out_dtype, u = u.dtype, self._fp8(u)
+        out = self.slot_outputs(u, weights.flatten(), idx.flatten(), k)
+        return out.view(n_tokens, k, u.shape[-1]).sum(dim=1).to(u.dtype)
+
+    def slot_outputs(self, u: torch.Tensor, slot_weight: torch.Tensor, slot_expert: torch.Tensor,
+                     k: int = 1) -> torch.Tensor:
+        """fp32 [S, D]: slot s is token u[s // k] through expert slot_expert[s], times slot_weight[s].
+        A slot's output depends on its own token, expert and weight only (expert parallelism runs
+        each slot on the rank holding its expert and sums them back home)."""
+        u = self._fp8(u)
         if self.w13.dtype == torch.bfloat16:
-            out = self._grouped(u, weights.flatten(), slot_expert, k)
-        else:
-            out = self._gathered(u, weights.flatten(), slot_expert, k)
-        return out.view(n_tokens, k, -1).sum(dim=1).to(out_dtype)
+            return self._grouped(u, slot_weight, slot_expert, k)
+        return self._gathered(u, slot_weight, slot_expert, k)
+
+    def shard(self, experts: range) -> "Experts":
+        """The experts `experts` (a contiguous range of ids) alone, renumbered from 0: their weights
+        copied, the rest of the module shared."""
+        part = copy.copy(self)
+        part._parameters = {name: nn.Parameter(p[experts.start:experts.stop].clone(), requires_grad=False)
+                            for name, p in self._parameters.items()}
+        return part
 
     def _grouped(self, u, slot_weight, slot_expert, k):
         order = torch.argsort(slot_expert, stable=True)

@@ -1,0 +1,83 @@
+"""Expert parallelism (EP): each rank holds a contiguous shard of the routed experts; a MoE layer's
+(token, expert) slots travel to the rank holding their expert and their outputs come back, by
+all-to-all over torch.distributed (gloo on CPUs, NCCL on GPUs).
+
+    rank r holds experts expert_range(E, r, world)             contiguous; the first E mod world ranks one more
+    send:    each local slot (token row, local expert id, route weight) to its expert's rank
+    compute: the shard's experts on the slots it received (Experts.slot_outputs, fp32)
+    return:  the fp32 slot outputs to the slots' home ranks, summed over each token's k experts there
+
+The router (the fused Mega-Gate where the passes run) and the shared expert stay local: every rank
+routes its own tokens. A slot's output depends on its own token, expert and weight only, and the
+home rank sums a token's k outputs in the same order as one process does, so on the CPU the sharded
+layer equals the whole one bit for bit. Every rank must run each MoE layer together (a collective),
+with any number of tokens of its own, none included.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .moe import MoE
+
+
+def expert_range(n_experts: int, rank: int, world: int) -> range:
+    """The contiguous experts rank `rank` of `world` holds; together the ranks hold each expert once."""
+    if not 1 <= world <= n_experts:
+        raise ValueError(f"expert parallelism over {world} ranks needs 1 <= world size <= the {n_experts} routed "
+                         "experts (every rank holds at least one)")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside the world of {world} ranks (0..{world - 1})")
+    base, extra = divmod(n_experts, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+class ShardedExperts(nn.Module):
+    """A drop-in for `moe.Experts` on one rank: forward(u, weights, idx) over the rank's own tokens,
+    the slots computed wherever their experts live (module doc)."""
+
+    def __init__(self, experts, rank: int, world: int, group=None):
+        super().__init__()
+        n_experts = experts.w13.shape[0]
+        self.rank, self.world, self.group = rank, world, group
+        self.held = expert_range(n_experts, rank, world)
+        self.shard = experts.shard(self.held)
+        # the first expert id of every rank's shard, for the owner of each slot
+        self.register_buffer("starts", torch.tensor([expert_range(n_experts, r, world).start for r in range(world)]),
+                             persistent=False)
+
+    def _exchange(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        out = x.new_empty((sum(receive), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), receive, send, group=self.group)
+        return out
+
+    def forward(self, u: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        n_tokens, k = idx.shape
+        slot_expert = idx.flatten()
+        owner = torch.searchsorted(self.starts, slot_expert, right=True) - 1
+        order = torch.argsort(owner, stable=True)  # slots grouped by the rank that computes them
+        send_counts = torch.bincount(owner, minlength=self.world)
+        receive_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(receive_counts, send_counts, group=self.group)
+        send, receive = send_counts.tolist(), receive_counts.tolist()
+        tokens = self._exchange(u[order // k], send, receive)
+        experts = self._exchange((slot_expert - self.starts[owner])[order], send, receive)  # ids within the owner's shard
+        slot_weight = self._exchange(weights.flatten()[order].float(), send, receive)
+        computed = self.shard.slot_outputs(tokens, slot_weight, experts)
+        back = self._exchange(computed, receive, send)  # the outputs, in the order the slots were sent
+        out = torch.empty_like(back)
+        out[order] = back
+        return out.view(n_tokens, k, u.shape[-1]).sum(dim=1).to(u.dtype)
+
+
+def shard_experts(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
+    """Every MoE layer of `model` with its routed experts sharded for `rank` of `world` (in place)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        raise ValueError("the model has no MoE layer to shard")
+    for moe in layers:
+        moe.experts = ShardedExperts(moe.experts, rank, world, group)
+    return model
