@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .moe import MoE
+from .moe import MoE, sum_slots
 
 
 def expert_range(n_experts: int, rank: int, world: int) -> range:
@@ -42,7 +42,7 @@ class ShardedExperts(nn.Module):
     def __init__(self, experts, rank: int, world: int, group=None):
         super().__init__()
         n_experts = experts.w13.shape[0]
-        self.rank, self.world, self.group = rank, world, group
+        self.world, self.group = world, group
         self.held = expert_range(n_experts, rank, world)
         self.shard = experts.shard(self.held)
         # the first expert id of every rank's shard, for the owner of each slot
@@ -55,7 +55,7 @@ class ShardedExperts(nn.Module):
         return out
 
     def forward(self, u: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        n_tokens, k = idx.shape
+        k = idx.shape[1]
         slot_expert = idx.flatten()
         owner = torch.searchsorted(self.starts, slot_expert, right=True) - 1
         order = torch.argsort(owner, stable=True)  # slots grouped by the rank that computes them
@@ -65,12 +65,12 @@ class ShardedExperts(nn.Module):
         send, receive = send_counts.tolist(), receive_counts.tolist()
         tokens = self._exchange(u[order // k], send, receive)
         experts = self._exchange((slot_expert - self.starts[owner])[order], send, receive)  # ids within the owner's shard
-        slot_weight = self._exchange(weights.flatten()[order].float(), send, receive)
+        slot_weight = self._exchange(weights.flatten()[order], send, receive)
         computed = self.shard.slot_outputs(tokens, slot_weight, experts)
         back = self._exchange(computed, receive, send)  # the outputs, in the order the slots were sent
         out = torch.empty_like(back)
         out[order] = back
-        return out.view(n_tokens, k, u.shape[-1]).sum(dim=1).to(u.dtype)
+        return sum_slots(out, idx.shape, u.dtype)
 
 
 def shard_experts(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:

@@ -82,6 +82,12 @@ class Router(nn.Module):
                      renorm=self.renorm, scale=self.scale)
 
 
+def sum_slots(out: torch.Tensor, choices: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """[N, D] in dtype: fp32 slot outputs [N * k, D] (token-major) summed over each token's k experts."""
+    n_tokens, k = choices
+    return out.view(n_tokens, k, out.shape[-1]).sum(dim=1).to(dtype)
+
+
 class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -96,9 +102,8 @@ class Experts(nn.Module):
         return fake_quant_mxfp8(x) if self.mxfp8_inputs else x
 
     def forward(self, u: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        n_tokens, k = idx.shape
-        out = self.slot_outputs(u, weights.flatten(), idx.flatten(), k)
-        return out.view(n_tokens, k, u.shape[-1]).sum(dim=1).to(u.dtype)
+        out = self.slot_outputs(u, weights.flatten(), idx.flatten(), idx.shape[1])
+        return sum_slots(out, idx.shape, u.dtype)
 
     def slot_outputs(self, u: torch.Tensor, slot_weight: torch.Tensor, slot_expert: torch.Tensor,
                      k: int = 1) -> torch.Tensor:
