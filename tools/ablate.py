@@ -6,8 +6,9 @@ with the same pass set are one row, listed under every name that maps to it (wit
 a" is "all but b"). For each row, on the same random prompt [B, T]:
 
     matches      per pass, from the compile's pass report
-    kernels      launched per forward, from torch.profiler (common.KERNEL_COUNT_METHOD says exactly
-                 what is counted on each device)
+    kernels      launched per forward, from torch.profiler, and the time per forward of each
+                 launcher's kernels: each pass's fused kernels, Inductor's, the rest
+                 (common.KERNEL_COUNT_METHOD says exactly what is counted and timed on each device)
     step         latency of one forward: on CUDA the compiled forward captured in a CUDA graph and
                  replayed (CUDA events, median of --repeat replays; falls back to timed launches
                  if capture fails, and says so); on CPU wall clock, median of --repeat calls,
@@ -34,6 +35,7 @@ JSON, schema "megafuse.ablate/1":
                       matches: {pass: int}           (enabled passes only; == report.counts)
                       report: CompileReport.to_dict(),
                       kernels_per_forward: float, kernels: {inductor, megafuse, other: float},
+                      kernel_time_us: {pass | "inductor" | "other": float}   per forward,
                       compile_s: float, step_s: float, step_times_s: [float], step_method: str,
                       step_spread_s: [min, max], speedup_vs_none: float | null,
                       speedup_resolved: bool   (>= MIN_RUNS forwards; this row's and none's spreads apart)
@@ -165,6 +167,7 @@ def _main(args: argparse.Namespace) -> int:
             row["report"] = fused.report.to_dict()
             row["kernels_per_forward"] = kernels["total"]
             row["kernels"] = kernels["by_kind"]
+            row["kernel_time_us"] = kernels["time_us"]
             row["step_times_s"] = times
             row["step_s"] = median(times)
             console.print(f"  {label}: {row['kernels_per_forward']:g} kernels/forward, step {row['step_s'] * 1e3:.2f} ms, "

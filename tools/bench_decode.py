@@ -14,8 +14,12 @@ Stages, each saved as it finishes:
    (call to synchronised result, so the host's launch cost counts: that is what graphs remove)
    without CUDA graphs and with them (capture time, graph memory), median of `--repeat` after
    3 untimed calls; the logits of the two compared (max |difference|), beside the difference
-   between two calls without graphs (the step's own run-to-run noise);
-3. no-passes-<B>: the same compiled by plain torch.compile (passes "none"), graphs on;
+   between two calls without graphs (the step's own run-to-run noise); and `profile`: the step's
+   kernels from torch.profiler over `--profiled` steps without graphs (a graph replays the same
+   kernels), per step: launches, and the time of each launcher's kernels (`time_us`: a pass's name
+   for its fused kernels, "inductor", "other": `tools.common.KERNEL_COUNT_METHOD`) with its
+   `share` of their sum, so `share.mega_attention` is the fused attention's part of the step;
+3. no-passes-<B>: the same compiled by plain torch.compile (passes "none"), graphs on, profiled;
 4. summary: graphs' speed-up at each B (passes), the passes' speed-up at each B (graphs on).
 
 The first B's stages compile (minutes on a large preset). A run cut off by a time limit keeps its
@@ -40,7 +44,7 @@ import torch
 from megafuse.model import CacheLayout, Sequence, build_model, build_step, page_table, resolve_config
 from megafuse.runtime.graphs import CompiledStep
 from megafuse.tools.bench_common import Stages, default_out, require_cuda
-from megafuse.tools.common import add_pass_arguments, median, positive_ints, selected_passes
+from megafuse.tools.common import add_pass_arguments, count_kernels, median, positive_ints, selected_passes
 from megafuse.tools.output import environment
 
 PAGE_SIZE = 64
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=positive_ints, default=(1, 32), help="decode batch sizes (default 1,32)")
     parser.add_argument("--context", type=int, default=27648, help="tokens each request holds (default 27648)")
     parser.add_argument("--repeat", type=int, default=20, help="timed steps per measurement (default 20)")
+    parser.add_argument("--profiled", type=int, default=5, help="steps the profile covers (default 5)")
     parser.add_argument("--out", help="results JSON (default results/decode/bench.json)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run whose JSON is at --out: keep its finished stages, run the rest")
@@ -61,15 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     add_pass_arguments(parser, "passes of the passes-<B> stages")
     args = parser.parse_args(argv)
     require_cuda(parser, args.dry_run)
-    if args.context < 1 or args.repeat < 1:
-        parser.error("--context and --repeat must be >= 1")
+    if args.context < 1 or args.repeat < 1 or args.profiled < 1:
+        parser.error("--context, --repeat and --profiled must be >= 1")
     device = torch.device("cpu" if args.dry_run else "cuda")
     out = args.out or default_out("decode", args.dry_run)
     cfg = resolve_config(args.config)
     B_max, C = max(args.batches), args.context
     layout = CacheLayout.private(B_max, C + 1, PAGE_SIZE)
     chosen = selected_passes(args)
-    results = {"schema": "megafuse.bench_decode/2", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
+    results = {"schema": "megafuse.bench_decode/3", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
                "passes": chosen, "context": C, "batches": args.batches, "cache_layout": vars(layout),
                "method": "wall time of step() to a synchronised result, median of --repeat",
                "date": datetime.date.today().isoformat(), "environment": environment()}
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             # the compiled step's own call-to-call difference: a graph difference no larger than this
             # is the step's run-to-run noise, not the graphs'
             out["no_graphs_repeat_max_abs"] = (step(batch, step.cache) - no_graph_logits).abs().max().item()
+            out["profile"] = profile(step, batch)
             if device.type == "cuda":
                 step.cuda_graphs = True
                 captured, graph_bytes = step.stats.capture_s, step.stats.graph_bytes
@@ -144,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
                 out["graph_bytes"] = step.stats.graph_bytes - graph_bytes
                 out["graphs_vs_no_graphs_max_abs"] = (graph_logits - no_graph_logits).abs().max().item()
         return out
+
+    def profile(step: CompiledStep, batch) -> dict:
+        kernels = count_kernels(step, (batch, step.cache), device.type, forwards=args.profiled)
+        total = sum(kernels["time_us"].values())
+        return {"steps": args.profiled, "kernels_per_step": kernels["total"], "time_us": kernels["time_us"],
+                "share": {k: v / total for k, v in kernels["time_us"].items()} if total else {},
+                "method": kernels["method"]}
 
     def build():
         start = time.time()

@@ -301,13 +301,27 @@ def spec_object(module, spec: dict):
 
 
 def megafuse_kernel_names() -> dict[str, str]:
-    """Triton function name of every registered pass's kernel -> the pass (profiler matching)."""
+    """Triton function name of every registered pass's kernel -> the pass (profiler matching). A
+    kernel module's other launches (a split launch's combine, `<KERNEL_NAME>_combine`) carry its
+    name as their prefix: `kernel_owner` matches on it."""
     names = {}
     for name in passes.available():
         module = lowering_module(passes.registry.get(name).op)
         if module is not None and hasattr(module, "KERNEL_NAME"):
             names[module.KERNEL_NAME] = name
     return names
+
+
+def kernel_owner(name: str, fused_names: dict[str, str], device: str) -> str:
+    """Who launched a profiled kernel: the pass whose generated kernel it is (on CPU, where the
+    kernel's launch is the op `megafuse::<kernel name>`), "inductor" for Inductor's own kernels,
+    "other" for the rest (KERNEL_COUNT_METHOD)."""
+    kernel = name.removeprefix("megafuse::") if device == "cpu" else name
+    fused = next((p for k, p in fused_names.items() if kernel == k or kernel.startswith(k + "_")), None)
+    if fused or (device == "cpu" and name.startswith("megafuse::")):
+        return fused or name
+    inductor = name.startswith("triton_") if device == "cuda" else "cpp_fused" in name  # CPU: graph_<i>_cpp_fused_*
+    return "inductor" if inductor else "other"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -382,12 +396,15 @@ def median(values: list[float]) -> float | None:
 KERNEL_COUNT_METHOD = {
     "cuda": "torch.profiler CUDA activity: device kernel events during the profiled forwards (memcpy and "
             "memset excluded), divided by the number of forwards; 'megafuse' = the generated fused "
-            "kernels, 'inductor' = Inductor's triton_* kernels, 'other' = cuBLAS, ATen and the rest",
+            "kernels, 'inductor' = Inductor's triton_* kernels, 'other' = cuBLAS, ATen and the rest; "
+            "time_us: each event's device duration summed per launcher (a pass's name for its fused "
+            "kernels, a split launch's combine included) per forward",
     "cpu": "torch.profiler CPU activity: the calls Inductor's compiled graph makes, i.e. the direct children "
            "of its '## Call CompiledFxGraph' events: 'inductor' = generated C++ kernels (cpp_fused_*, "
            "recorded through cpp.enable_kernel_profile), 'megafuse' = fused-op launches (megafuse::*_kernel, "
            "one Triton kernel each, interpreted on CPU), 'other' = ATen extern calls (mm, bmm, sort, ...); "
-           "divided by the number of forwards",
+           "divided by the number of forwards; time_us: each call's CPU duration summed per launcher (a "
+           "pass's name for its fused op) per forward",
 }
 
 
@@ -420,8 +437,9 @@ def profiling(activities: list):
 
 
 def count_kernels(fn, inputs: tuple, device: str, forwards: int = 1) -> dict:
-    """What `forwards` calls of `fn(*inputs)` launch, per forward, by category (see
-    KERNEL_COUNT_METHOD for exactly what is counted on each device)."""
+    """What `forwards` calls of `fn(*inputs)` launch, per forward, by category, and the time each
+    launcher's kernels take per forward (see KERNEL_COUNT_METHOD for exactly what is counted and
+    timed on each device)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
 
@@ -432,23 +450,21 @@ def count_kernels(fn, inputs: tuple, device: str, forwards: int = 1) -> dict:
             fn(*inputs)
         if cuda:
             torch.cuda.synchronize()
+    if cuda:
+        kernels = [e for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    else:
+        kernels = [c for e in prof.events() if e.name.startswith("## Call CompiledFxGraph") for c in e.cpu_children]
     fused_names = megafuse_kernel_names()
     counts = {"inductor": 0, "megafuse": 0, "other": 0}
-    if cuda:
-        for e in prof.events():
-            if e.device_type != DeviceType.CUDA or e.name.startswith(("Memcpy", "Memset")):
-                continue
-            kind = "megafuse" if e.name in fused_names else "inductor" if e.name.startswith("triton_") else "other"
-            counts[kind] += 1
-    else:
-        calls = [c for e in prof.events() if e.name.startswith("## Call CompiledFxGraph") for c in e.cpu_children]
-        for c in calls:
-            kind = ("megafuse" if c.name.startswith("megafuse::")
-                    else "inductor" if "cpp_fused" in c.name else "other")
-            counts[kind] += 1
+    time_us: dict[str, float] = {}
+    for e in kernels:
+        owner = kernel_owner(e.name, fused_names, device)
+        counts[owner if owner in counts else "megafuse"] += 1
+        time_us[owner] = time_us.get(owner, 0.0) + e.time_range.elapsed_us() / forwards
     per_forward = {k: v / forwards for k, v in counts.items()}
     return {"total": sum(per_forward.values()), "by_kind": per_forward, "forwards": forwards,
-            "method": KERNEL_COUNT_METHOD[device]}
+            "time_us": dict(sorted(time_us.items())), "method": KERNEL_COUNT_METHOD[device]}
 
 
 def display_path(path: str | Path, root: Path | None = None) -> str:

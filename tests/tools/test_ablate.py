@@ -9,12 +9,13 @@ import pytest
 from megafuse import passes
 from megafuse.tools import ablate
 from megafuse.tools.cli import main
+from megafuse.tools import common
 from megafuse.tools.common import LayerHarness
 
 ABLATE_KEYS = {"schema", "config", "dtype", "quant", "device", "target", "compared", "batch", "tokens", "seed",
                "repeat", "passes", "timing", "kernel_count", "configurations", "rows", "png", "environment"}
-ROW_KEYS = {"names", "passes", "matches", "report", "kernels_per_forward", "kernels", "compile_s", "step_s",
-            "step_times_s", "step_method", "step_spread_s", "speedup_vs_none", "speedup_resolved", "error"}
+ROW_KEYS = {"names", "passes", "matches", "report", "kernels_per_forward", "kernels", "kernel_time_us", "compile_s",
+            "step_s", "step_times_s", "step_method", "step_spread_s", "speedup_vs_none", "speedup_resolved", "error"}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,9 @@ def test_ablate_has_one_row_per_configuration_with_counts_from_the_report(ablati
         # each fused op is one kernel launch: the profiler agrees with the report
         assert row["kernels"]["megafuse"] == sum(row["matches"].values())
         assert row["kernels_per_forward"] == sum(row["kernels"].values()) > 0
+        # the time is split by launcher: each matching pass's kernels, Inductor's generated C++
+        assert set(row["kernel_time_us"]) - {"inductor", "other"} == set(row["matches"])
+        assert row["kernel_time_us"]["inductor"] > 0 and all(t > 0 for t in row["kernel_time_us"].values())
         assert row["error"]["max_abs"] < 1e-3 and row["error"]["finite"]
         assert row["step_s"] > 0 and len(row["step_times_s"]) == 1
         assert row["step_spread_s"] == [row["step_s"]] * 2 and not row["speedup_resolved"]  # one run resolves nothing
@@ -68,3 +72,19 @@ def test_ablate_has_one_row_per_configuration_with_counts_from_the_report(ablati
     assert "megafuse ablate" in printed and "all but mega_gate" in printed and f"wrote {png}" in printed
     cells = [cell for column in ablate._table(r).columns for cell in column._cells]
     assert cells.count("unresolved") == len(rows) - 1  # one run each: no speed-up is resolved
+
+
+@pytest.mark.parametrize("device, name, owner", [
+    ("cuda", "mega_attention_kernel", "mega_attention"),
+    ("cuda", "mega_attention_kernel_combine", "mega_attention"),  # a split launch's merge
+    ("cuda", "mega_gate_kernel", "mega_gate"),
+    ("cuda", "triton_per_fused_amax_exp_0", "inductor"),
+    ("cuda", "mega_attention_kernelx", "other"),  # a prefix only at a name boundary
+    ("cuda", "sm90_xmma_gemm_bf16", "other"),
+    ("cpu", "megafuse::mega_mhc_kernel", "mega_mhc"),
+    ("cpu", "megafuse::unregistered_kernel", "megafuse::unregistered_kernel"),
+    ("cpu", "graph_0_cpp_fused_add_0", "inductor"),
+    ("cpu", "aten::mm", "other"),
+])
+def test_profiled_kernels_are_owned_by_the_pass_that_generated_them(device, name, owner):
+    assert common.kernel_owner(name, common.megafuse_kernel_names(), device) == owner
