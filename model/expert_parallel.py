@@ -73,6 +73,11 @@ class ShardedExperts(nn.Module):
         return sum_slots(out, idx.shape, u.dtype)
 
 
+def is_expert_parallel(model: nn.Module) -> bool:
+    """Whether `model` holds sharded experts: its MoE layers are then collectives over the ranks."""
+    return any(isinstance(m, ShardedExperts) for m in model.modules())
+
+
 def shard_experts(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
     """Every MoE layer of `model` with its routed experts sharded for `rank` of `world` (in place)."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]

@@ -21,6 +21,11 @@ Each `step()`:
    chunk or decode ran samples its next token from its last decoder row;
 5. full pages a request wrote are published to the prefix cache; finished requests release theirs.
 
+With an expert-parallel model (model/expert_parallel.py) every MoE layer is a collective, so each
+rank must run every layer at every step: the engine then runs the model at every `step()`, a
+padding row when it has no work of its own, and keeps at least one decoder row (a padding row
+where no chunk ends), so the decoder region runs too. runtime/distributed.py steps the ranks together.
+
 A request that can never fit (prompt + max_new_tokens beyond one request's page table or the whole
 pool) is rejected at `add_request` with the reason; bad input raises `RequestError` naming it.
 """
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megafuse.model import CacheLayout, KVCache, Sequence, build_step, page_table
+from megafuse.model.expert_parallel import is_expert_parallel
 
 from .graphs import CompiledStep, default_buckets
 from .kv_cache import PagePool, PrefixCache
@@ -103,6 +109,11 @@ class Engine:
         self.pages = PrefixCache(PagePool(layout.pages), layout.page_size)
         self.prefix_cache, self.trim, self.token_budget = prefix_cache, trim_decoder, token_budget
         self.replay = self.cfg.window if swa_bounded_replay else self.cfg.n_layers * self.cfg.window
+        # every MoE layer of an expert-parallel model is a collective: run it at every step (module doc)
+        self.lockstep = is_expert_parallel(model)
+        if self.lockstep and (passes is not None or compiled is not None):
+            raise ValueError("an expert-parallel model runs the eager step (passes=None): its all-to-all sizes "
+                             "come from the routing, which a fullgraph compiled region cannot hold")
         self.step_runner = compiled or self._compiled_step(passes, cuda_graphs, buckets)
         if compiled is not None and (compiled.model is not model or compiled.layout != layout):
             raise ValueError("the compiled step was built for another model or cache layout")
@@ -284,14 +295,16 @@ class Engine:
     def step(self) -> list[tuple[int, int]]:
         """Run one step; returns the (request id, token) pairs it produced."""
         plan = self._schedule()
-        if not plan:
+        if not plan and not self.lockstep:
             return []
         chunks = [r.sequence.chunk(n, final, self.trim) for r, n, final in plan]
         sequences = [r.sequence for r in self.running]
+        n_rows, n_decoder = sum(len(c.ids) for c in chunks), sum(len(c.decoder_positions(self.cfg.window)) for c in chunks)
         rows = decoder_rows = None
         if self.step_runner is not None:
-            rows, decoder_rows = self.step_runner.bucket(
-                sum(len(c.ids) for c in chunks), sum(len(c.decoder_positions(self.cfg.window)) for c in chunks))
+            rows, decoder_rows = self.step_runner.bucket(n_rows, n_decoder)
+        elif self.lockstep:  # padding rows, so that every MoE layer of both regions runs (module doc)
+            rows, decoder_rows = max(n_rows, 1), max(n_decoder, 1)
         batch = build_step(self.cfg, self.layout, chunks, page_table(self.layout, sequences), rows, decoder_rows,
                            self.device)
         with torch.no_grad():

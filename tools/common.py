@@ -149,13 +149,18 @@ def check_fits(cfg: ModelConfig, args: argparse.Namespace) -> None:
                         f"of this {args.device} device: use a smaller --batch or --prompt-len")
 
 
+def resolve_model_config(args: argparse.Namespace) -> ModelConfig:
+    """The config `--config` names, with --dtype/--quant applied (nothing built)."""
+    cfg = resolve_config(args.config)
+    overrides = {k: v for k, v in (("dtype", args.dtype), ("quant", args.quant)) if v}
+    return cfg.replace(**overrides) if overrides else cfg
+
+
 def load_model(args: argparse.Namespace) -> tuple[ModelConfig, Transformer]:
     """The model `--config` names (preset, JSON, checkpoint directory), with --dtype/--quant applied."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ToolError("--device cuda: no CUDA device is available here; use --device cpu")
-    cfg = resolve_config(args.config)
-    overrides = {k: v for k, v in (("dtype", args.dtype), ("quant", args.quant)) if v}
-    cfg = cfg.replace(**overrides) if overrides else cfg
+    cfg = resolve_model_config(args)
     check_fits(cfg, args)
     with step(f"building {cfg.name} ({cfg.dtype}, quant={cfg.quant}) on {args.device}", quiet=True):
         if Path(args.config).is_dir():

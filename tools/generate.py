@@ -7,9 +7,15 @@ runs them with continuous batching over the byte cache: decodes first, chunked p
 step runs compiled with the passes (`--passes`, `--no-<pass>`), once per padded bucket, and on a
 GPU as CUDA graphs (`--no-cuda-graphs`); `--eager` runs it uncompiled (no compile time).
 
-JSON (`--json PATH`, '-' for stdout), schema "megafuse.generate/2":
+`--world-size N` runs N ranks, one process each (runtime/distributed.py): data-parallel attention
+(each rank its own engine, caches and prefix cache; sessions routed to ranks by SessionRouter) with
+expert parallelism (each rank a contiguous shard of the routed experts, slots exchanged by
+all-to-all), over gloo on CPUs and NCCL on GPUs (rank r on cuda:r). It runs the eager step; a rank
+that fails ends the job with the rank and the reason named.
 
-    schema          "megafuse.generate/2"
+JSON (`--json PATH`, '-' for stdout), schema "megafuse.generate/3":
+
+    schema          "megafuse.generate/3"
     config, dtype, quant, device        str
     engine          {prefix_cache, swa_bounded_replay, trim_decoder: bool, token_budget: int,
                      cache: {slots, pages, page_size, max_pages}, step: "compiled" | "eager",
@@ -20,7 +26,11 @@ JSON (`--json PATH`, '-' for stdout), schema "megafuse.generate/2":
     requests        [{prompt_len: int, output: [int]}]
     stats           {steps, prefix_hits, hit_tokens, replayed_tokens, trimmed_tokens, preemptions,
                      evictions: int, setup_s: float (compile and capture), seconds: float (the rest),
-                     output_tokens_per_s: float}
+                     output_tokens_per_s: float}      (summed over the ranks; steps and seconds: the
+                                                       slowest rank's, since the ranks step together)
+    world_size      int
+    ranks           [{rank, experts: [first, end), requests: [int] (indices into requests), stats}]
+                     (one entry per rank; with world_size 1, the whole model on one)
     environment     {date, python, torch, triton, device}
 """
 
@@ -34,8 +44,12 @@ from pathlib import Path
 
 from rich.table import Table
 
+import torch
+
 from megafuse.model import CacheLayout
+from megafuse.model.expert_parallel import expert_range, shard_experts
 from megafuse.runtime import Engine, RequestError, SamplingParams
+from megafuse.runtime.distributed import RankFailure, SessionRouter, launch, step_together
 
 from . import common
 from .output import ToolError, console, environment, tables_to_stderr, write_json
@@ -46,6 +60,7 @@ EXAMPLES = """examples:
   megafuse generate --config tiny --batch 4 --prompt-len 100 --json -
   megafuse generate --config tiny --prompts prompts.json --temperature 0.8 --top-p 0.9 --seed 1
   megafuse generate --config tiny --prompt 1,2,3 --no-swa-bounded-replay --no-trim   # exact mode
+  megafuse generate --config tiny --batch 4 --eager --world-size 2   # 2 ranks: DP attention + EP experts
 """
 
 PAGE_SIZE = 64
@@ -64,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-swa-bounded-replay", action="store_true", help="replay L x W tokens on a hit (exact)")
     parser.add_argument("--no-trim", action="store_true", help="run the decoder layers on every prefill row")
     common.add_engine_step_arguments(parser)
+    parser.add_argument("--world-size", type=int, default=1, metavar="N",
+                        help="ranks (processes): data-parallel attention + expert parallelism (default 1)")
+    parser.add_argument("--rank-timeout", type=float, default=300, metavar="S",
+                        help="seconds a collective waits for the other ranks before the job fails (default 300)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
 
 
@@ -88,53 +107,114 @@ def main(args: argparse.Namespace) -> int:
         return _main(args)
 
 
-def _main(args: argparse.Namespace) -> int:
+def _check_world(args: argparse.Namespace, cfg) -> None:
+    if args.world_size < 1:
+        raise ToolError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.world_size > 1:
+        if not args.eager:
+            raise ToolError("--world-size > 1 runs the eager step (the all-to-all's sizes come from the routing, "
+                            "which a fullgraph compiled region cannot hold): add --eager")
+        if args.world_size > cfg.n_experts:
+            raise ToolError(f"--world-size {args.world_size} exceeds the {cfg.n_experts} routed experts of "
+                            f"{cfg.name}: every rank holds at least one")
+        if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
+            raise ToolError(f"--world-size {args.world_size} needs {args.world_size} GPUs; "
+                            f"this machine has {torch.cuda.device_count()}")
+
+
+def _serve(args: argparse.Namespace, prompts: list[list[int]], rank: int = 0, world: int = 1) -> dict:
+    """Build the model and engine of `rank` of `world`, serve the prompts routed to it, and return
+    its outputs (by prompt index), stats and expert range."""
     cfg, model = common.load_model(args)
-    prompts = _prompts(args, cfg)
-    if not prompts:
-        raise ToolError("no prompts given")
+    experts = range(cfg.n_experts)
+    if world > 1:
+        experts = expert_range(cfg.n_experts, rank, world)
+        shard_experts(model, rank, world)
+    router = SessionRouter(world)
     longest = max(len(p) for p in prompts) + max(args.max_new_tokens, 1)
-    slots = args.slots or len(prompts)
-    layout = CacheLayout.private(slots, longest, PAGE_SIZE)
+    layout = CacheLayout.private(args.slots or len(prompts), longest, PAGE_SIZE)
     sampling = SamplingParams(args.temperature, args.top_p, args.seed)
     try:
         engine = Engine(model, layout=layout, prefix_cache=not args.no_prefix_cache,
                         swa_bounded_replay=not args.no_swa_bounded_replay, trim_decoder=not args.no_trim,
                         token_budget=args.token_budget, **common.engine_step_options(args))
-        ids = [engine.add_request(p, args.max_new_tokens, sampling) for p in prompts]
+        ids = {i: engine.add_request(p, args.max_new_tokens, sampling) for i, p in enumerate(prompts)
+               if router.route(i, len(p) + args.max_new_tokens) == rank}  # each prompt is its own session
     except (RequestError, ValueError) as e:
         raise ToolError(str(e)) from None
-    with common.step(f"generating {args.max_new_tokens} tokens for {len(prompts)} requests"):
-        start, setup = time.perf_counter(), 0.0
+    start, setup = time.perf_counter(), 0.0
+    if world > 1:
+        step_together(engine)
+    else:
         while engine.waiting or engine.running:
             engine.step()
             setup += engine.setup_s
-        seconds = time.perf_counter() - start - setup  # serving time: compile and capture are setup_s
-    outputs = [engine.requests[i].output for i in ids]
-    stats = dataclasses.asdict(engine.stats) | {
-        "setup_s": setup, "seconds": seconds, "output_tokens_per_s": sum(map(len, outputs)) / seconds}
+    seconds = time.perf_counter() - start - setup  # serving time: compile and capture are setup_s
     runner = engine.step_runner
+    return {"outputs": {i: engine.requests[r].output for i, r in ids.items()},
+            "stats": dataclasses.asdict(engine.stats) | {"setup_s": setup, "seconds": seconds},
+            "experts": [experts.start, experts.stop], "cfg": cfg, "layout": dataclasses.asdict(layout),
+            "engine": {"prefix_cache": engine.prefix_cache, "swa_bounded_replay": not args.no_swa_bounded_replay,
+                       "trim_decoder": engine.trim, "token_budget": engine.token_budget,
+                       "cache": dataclasses.asdict(layout),
+                       "step": "eager" if runner is None else "compiled",
+                       "passes": None if runner is None else runner.passes,
+                       "cuda_graphs": runner is not None and runner.cuda_graphs,
+                       "buckets": None if runner is None else list(runner.buckets),
+                       "graphs": None if runner is None else dataclasses.asdict(runner.stats),
+                       "counts": None if runner is None else runner.report().counts()}}
+
+
+def _serve_rank(rank: int, world: int, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    return _serve(args, prompts, rank, world)
+
+
+def _merged_stats(ranks: list[dict]) -> dict:
+    """The ranks' stats summed; steps and seconds are the slowest rank's (the ranks step together)."""
+    stats = {k: sum(r["stats"][k] for r in ranks) for k in ranks[0]["stats"]}
+    stats["steps"] = max(r["stats"]["steps"] for r in ranks)
+    stats["seconds"] = max(r["stats"]["seconds"] for r in ranks)
+    return stats
+
+
+def _main(args: argparse.Namespace) -> int:
+    cfg = common.resolve_model_config(args)
+    _check_world(args, cfg)
+    prompts = _prompts(args, cfg)
+    if not prompts:
+        raise ToolError("no prompts given")
+    sampling = SamplingParams(args.temperature, args.top_p, args.seed)
+    work = f"generating {args.max_new_tokens} tokens for {len(prompts)} requests"
+    with common.step(work + (f" on {args.world_size} ranks" if args.world_size > 1 else "")):
+        if args.world_size == 1:
+            ranks = [_serve(args, prompts)]
+        else:
+            try:
+                ranks = launch(_serve_rank, args.world_size, (args, prompts),
+                               backend="nccl" if args.device == "cuda" else "gloo", timeout_s=args.rank_timeout)
+            except RankFailure as e:
+                raise ToolError(f"the {args.world_size}-rank job failed: {e}") from None
+    outputs = [next(r["outputs"][i] for r in ranks if i in r["outputs"]) for i in range(len(prompts))]
+    stats = _merged_stats(ranks)
+    stats["output_tokens_per_s"] = sum(map(len, outputs)) / stats["seconds"]
+    cfg = ranks[0]["cfg"]
     result = {
-        "schema": "megafuse.generate/2", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
-        "device": args.device,
-        "engine": {"prefix_cache": engine.prefix_cache, "swa_bounded_replay": not args.no_swa_bounded_replay,
-                   "trim_decoder": engine.trim, "token_budget": engine.token_budget,
-                   "cache": dataclasses.asdict(layout),
-                   "step": "eager" if runner is None else "compiled",
-                   "passes": None if runner is None else runner.passes,
-                   "cuda_graphs": runner is not None and runner.cuda_graphs,
-                   "buckets": None if runner is None else list(runner.buckets),
-                   "graphs": None if runner is None else dataclasses.asdict(runner.stats),
-                   "counts": None if runner is None else runner.report().counts()},
-        "sampling": dataclasses.asdict(sampling),
+        "schema": "megafuse.generate/3", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
+        "device": args.device, "engine": ranks[0]["engine"], "sampling": dataclasses.asdict(sampling),
         "requests": [{"prompt_len": len(p), "output": o} for p, o in zip(prompts, outputs)],
-        "stats": stats, "environment": environment(),
+        "stats": stats, "world_size": args.world_size,
+        "ranks": [{"rank": n, "experts": r["experts"], "requests": sorted(r["outputs"]), "stats": r["stats"]}
+                  for n, r in enumerate(ranks)],
+        "environment": environment(),
     }
-    table = Table(title=f"megafuse generate: {cfg.name} ({cfg.dtype}, quant={cfg.quant}, {args.device})")
-    for col in ("request", "prompt tokens", "output token ids"):
+    table = Table(title=f"megafuse generate: {cfg.name} ({cfg.dtype}, quant={cfg.quant}, {args.device}"
+                        + (f", {args.world_size} ranks" if args.world_size > 1 else "") + ")")
+    columns = ("request",) + (("rank",) if args.world_size > 1 else ()) + ("prompt tokens", "output token ids")
+    for col in columns:
         table.add_column(col)
     for i, (p, o) in enumerate(zip(prompts, outputs)):
-        table.add_row(str(i), str(len(p)), " ".join(map(str, o)))
+        rank = (str(next(n for n, r in enumerate(ranks) if i in r["outputs"])),) if args.world_size > 1 else ()
+        table.add_row(str(i), *rank, str(len(p)), " ".join(map(str, o)))
     console.print(table)
     console.print(", ".join(f"{k.replace('_', ' ')} {v:,.2f}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
                             for k, v in stats.items()))

@@ -16,7 +16,7 @@ def test_generate_in_exact_mode_returns_the_plain_models_greedy_tokens(tmp_path,
             "--max-new-tokens", "3", "--no-swa-bounded-replay", "--no-trim", "--eager", "--json", "-"]
     assert main(argv) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["schema"] == "megafuse.generate/2"
+    assert r["schema"] == "megafuse.generate/3"
     for key in ("engine", "sampling", "requests", "stats", "environment", "output_tokens_per_s", "evictions"):
         assert key in generate.__doc__ and key in json.dumps(r), key
     model = build_model(preset("tiny").replace(quant="none"), seed=0)
@@ -36,3 +36,28 @@ def test_generate_names_bad_prompts(capsys):
     assert "token ids [5000] lie outside 0..1023" in capsys.readouterr().err
     assert main(["generate", "--config", "tiny", "--prompt", "1,2", "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
+
+
+def test_generate_over_two_ranks_returns_the_one_rank_tokens(capsys):
+    argv = ["generate", "--config", "tiny", "--quant", "none", "--batch", "3", "--prompt-len", "20",
+            "--max-new-tokens", "3", "--eager", "--json", "-"]
+    assert main(argv) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--world-size", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["requests"] == one["requests"]
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert [r["experts"] for r in one["ranks"]] == [[0, 8]]
+    assert [(r["experts"], r["requests"]) for r in two["ranks"]] == [([0, 4], [0, 2]), ([4, 8], [1])]
+    assert two["stats"]["steps"] == max(r["stats"]["steps"] for r in two["ranks"])
+    for key in ("world_size", "ranks"):
+        assert key in generate.__doc__
+
+
+def test_generate_names_bad_world_sizes(capsys):
+    assert main(["generate", "--config", "tiny", "--prompt", "1,2", "--world-size", "2"]) == 2
+    assert "--world-size > 1 runs the eager step" in capsys.readouterr().err
+    assert main(["generate", "--config", "tiny", "--prompt", "1,2", "--world-size", "9", "--eager"]) == 2
+    assert "--world-size 9 exceeds the 8 routed experts of tiny" in capsys.readouterr().err
+    assert main(["generate", "--config", "tiny", "--prompt", "1,2", "--world-size", "0"]) == 2
+    assert "--world-size must be >= 1" in capsys.readouterr().err
