@@ -12,9 +12,18 @@ routes its own tokens. A slot's output depends on its own token, expert and weig
 home rank sums a token's k outputs in the same order as one process does, so on the CPU the sharded
 layer equals the whole one bit for bit. Every rank must run each MoE layer together (a collective),
 with any number of tokens of its own, none included.
+
+Under torch.compile the exchange is one opaque op, `megafuse::expert_exchange`: the all-to-all's
+sizes come from the routing, so Dynamo traces it (fullgraph) as a call that returns a tensor shaped
+like its input, and the router before it stays in the graph for the passes (Mega-Gate) to fuse.
+The op finds its shard by name. It waits on the host for the counts, so a graph holding it cannot
+be captured as a CUDA graph.
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -35,6 +44,22 @@ def expert_range(n_experts: int, rank: int, world: int) -> range:
     return range(start, start + base + (rank < extra))
 
 
+_SHARDS: "weakref.WeakValueDictionary[str, ShardedExperts]" = weakref.WeakValueDictionary()
+_NAMES = itertools.count()
+
+
+@torch.library.custom_op("megafuse::expert_exchange", mutates_args=())
+def expert_exchange(u: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, shard: str) -> torch.Tensor:
+    """The routed experts' output [N, D] of the tokens u [N, D] with their top-k weights and ids,
+    computed by the ranks holding the experts (ShardedExperts `shard`)."""
+    return _SHARDS[shard].exchange(u, weights, idx)
+
+
+@expert_exchange.register_fake
+def _(u, weights, idx, shard):
+    return torch.empty_like(u)
+
+
 class ShardedExperts(nn.Module):
     """A drop-in for `moe.Experts` on one rank: forward(u, weights, idx) over the rank's own tokens,
     the slots computed wherever their experts live (module doc)."""
@@ -48,6 +73,8 @@ class ShardedExperts(nn.Module):
         # the first expert id of every rank's shard, for the owner of each slot
         self.register_buffer("starts", torch.tensor([expert_range(n_experts, r, world).start for r in range(world)]),
                              persistent=False)
+        self.name = f"shard{next(_NAMES)}"  # how the compiled graph's op finds this module
+        _SHARDS[self.name] = self
 
     def _exchange(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
         out = x.new_empty((sum(receive), *x.shape[1:]))
@@ -55,6 +82,9 @@ class ShardedExperts(nn.Module):
         return out
 
     def forward(self, u: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return expert_exchange(u, weights, idx, self.name)
+
+    def exchange(self, u: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         k = idx.shape[1]
         slot_expert = idx.flatten()
         owner = torch.searchsorted(self.starts, slot_expert, right=True) - 1

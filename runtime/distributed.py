@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -55,17 +56,19 @@ class SessionRouter:
         return rank
 
 
-def step_together(engine, group=None) -> int:
-    """Step `engine` in lockstep with the other ranks until no rank has work; returns the steps run."""
+def step_together(engine, group=None) -> tuple[int, float]:
+    """Step `engine` in lockstep with the other ranks until no rank has work; returns the steps run
+    and the compile time inside them (engine.setup_s summed)."""
     busy = torch.zeros(1, dtype=torch.int64, device=engine.device if dist.get_backend(group) == "nccl" else "cpu")
-    steps = 0
+    steps, setup_s = 0, 0.0
     while True:
         busy.fill_(int(bool(engine.waiting or engine.running)))
         dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=group)
         if not busy.item():
-            return steps
+            return steps, setup_s
         engine.step()
         steps += 1
+        setup_s += engine.setup_s
 
 
 def _free_port() -> int:
@@ -89,7 +92,8 @@ def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float,
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    results.put((rank, "ok", result))
+    # pickled here, by value: a queue would pass tensors as shared memory, gone when this process exits
+    results.put((rank, "ok", pickle.dumps(result)))
 
 
 def _why(rank: int, exitcode: int | None, error: str | None) -> str:
@@ -131,7 +135,7 @@ def launch(worker: Callable, world: int, args: tuple = (), *, backend: str = "gl
             try:
                 rank, status, value = results.get(timeout=0.1)
                 if status == "ok":
-                    done[rank] = value
+                    done[rank] = pickle.loads(value)
                 else:
                     errors[rank] = value
                     failed_at.setdefault(rank, time.monotonic())

@@ -25,6 +25,7 @@ With an expert-parallel model (model/expert_parallel.py) every MoE layer is a co
 rank must run every layer at every step: the engine then runs the model at every `step()`, a
 padding row when it has no work of its own, and keeps at least one decoder row (a padding row
 where no chunk ends), so the decoder region runs too. runtime/distributed.py steps the ranks together.
+Its compiled step runs without CUDA graphs: the all-to-all waits on the host for its counts.
 
 A request that can never fit (prompt + max_new_tokens beyond one request's page table or the whole
 pool) is rejected at `add_request` with the reason; bad input raises `RequestError` naming it.
@@ -97,7 +98,8 @@ class Engine:
                  buckets: tuple[int, ...] | None = None, compiled: CompiledStep | None = None,
                  keep_logits: bool = False):
         """passes: "all", "none", a list of pass names (the compiled step), or None (eager step).
-        cuda_graphs: capture the compiled regions per bucket (None: where the model is on CUDA).
+        cuda_graphs: capture the compiled regions per bucket (None: where the model is on CUDA and its
+        experts are not sharded).
         buckets: the padded row counts of the compiled step (default: powers of two from 2 up to the
         token budget, then the budget); the largest must reach the token budget.
         compiled: a CompiledStep of this model and layout to run instead (engines that share one
@@ -111,9 +113,9 @@ class Engine:
         self.replay = self.cfg.window if swa_bounded_replay else self.cfg.n_layers * self.cfg.window
         # every MoE layer of an expert-parallel model is a collective: run it at every step (module doc)
         self.lockstep = is_expert_parallel(model)
-        if self.lockstep and (passes is not None or compiled is not None):
-            raise ValueError("an expert-parallel model runs the eager step (passes=None): its all-to-all sizes "
-                             "come from the routing, which a fullgraph compiled region cannot hold")
+        if self.lockstep and (cuda_graphs or (compiled is not None and compiled.cuda_graphs)):
+            raise ValueError("an expert-parallel model's step cannot be captured as CUDA graphs: its all-to-all "
+                             "waits on the host for the routing's counts; pass cuda_graphs=False")
         self.step_runner = compiled or self._compiled_step(passes, cuda_graphs, buckets)
         if compiled is not None and (compiled.model is not model or compiled.layout != layout):
             raise ValueError("the compiled step was built for another model or cache layout")
@@ -137,7 +139,7 @@ class Engine:
             if cuda_graphs:
                 raise ValueError("cuda_graphs=True captures the compiled regions; pass passes='all' or 'none'")
             return None
-        graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        graphs = self.device.type == "cuda" and not self.lockstep if cuda_graphs is None else cuda_graphs
         buckets = default_buckets(self.token_budget) if buckets is None else tuple(buckets)
         return CompiledStep(self.model, layout=self.layout, buckets=buckets, passes=passes, cuda_graphs=graphs)
 

@@ -140,10 +140,12 @@ class CompiledStep:
             raise ValueError("a CompiledStep runs on its own cache (step.cache): its CUDA graphs hold those addresses")
         key = (len(batch.rows), len(batch.decoder))
         self.setup_s = 0.0  # compile and capture time inside this call (benchmarks take it off)
+        if not self.cuda_graphs:
+            if key not in self.compiled_buckets:  # compiled on this batch: its first run is setup
+                return self._compile(key, batch)
+            return self._regions(batch, cache)
         if key not in self.compiled_buckets:
             self._compile(key)
-        if not self.cuda_graphs:
-            return self._regions(batch, cache)
         if key not in self._graphs:
             self._graphs[key] = self._capture(key)
         return self._graphs[key].replay(batch)
@@ -157,10 +159,13 @@ class CompiledStep:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _compile(self, key: tuple[int, int]) -> None:
+    def _compile(self, key: tuple[int, int], batch: StepBatch | None = None) -> torch.Tensor:
+        """Compile the bucket `key` by running it once: on `batch`, or on padding rows before a
+        capture. One run, not two: on an expert-parallel model every run is a collective that all
+        ranks must enter the same number of times."""
         self._sync()
         start = time.perf_counter()
-        self._regions(self._padding(key), self.cache)
+        logits = self._regions(self._padding(key) if batch is None else batch, self.cache)
         self._sync()
         seconds = time.perf_counter() - start
         self.compiled_buckets.add(key)
@@ -168,6 +173,7 @@ class CompiledStep:
         self.stats.first_run_s += seconds
         self.stats.graphs = len(self.report().graphs)
         self.setup_s += seconds
+        return logits
 
     def _capture(self, key: tuple[int, int]) -> _Pieces:
         cache, static = self.cache, self._padding(key)

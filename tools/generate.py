@@ -10,8 +10,8 @@ GPU as CUDA graphs (`--no-cuda-graphs`); `--eager` runs it uncompiled (no compil
 `--world-size N` runs N ranks, one process each (runtime/distributed.py): data-parallel attention
 (each rank its own engine, caches and prefix cache; sessions routed to ranks by SessionRouter) with
 expert parallelism (each rank a contiguous shard of the routed experts, slots exchanged by
-all-to-all), over gloo on CPUs and NCCL on GPUs (rank r on cuda:r). It runs the eager step; a rank
-that fails ends the job with the rank and the reason named.
+all-to-all), over gloo on CPUs and NCCL on GPUs (rank r on cuda:r). The step runs compiled or eager,
+without CUDA graphs; a rank that fails ends the job with the rank and the reason named.
 
 JSON (`--json PATH`, '-' for stdout), schema "megafuse.generate/3":
 
@@ -81,8 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_engine_step_arguments(parser)
     parser.add_argument("--world-size", type=int, default=1, metavar="N",
                         help="ranks (processes): data-parallel attention + expert parallelism (default 1)")
-    parser.add_argument("--rank-timeout", type=float, default=300, metavar="S",
-                        help="seconds a collective waits for the other ranks before the job fails (default 300)")
+    parser.add_argument("--rank-timeout", type=float, default=1800, metavar="S",
+                        help="seconds a collective waits for the other ranks before the job fails; it must cover "
+                             "the longest compile, which the other ranks wait out (default 1800)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
 
 
@@ -111,9 +112,9 @@ def _check_world(args: argparse.Namespace, cfg) -> None:
     if args.world_size < 1:
         raise ToolError(f"--world-size must be >= 1, got {args.world_size}")
     if args.world_size > 1:
-        if not args.eager:
-            raise ToolError("--world-size > 1 runs the eager step (the all-to-all's sizes come from the routing, "
-                            "which a fullgraph compiled region cannot hold): add --eager")
+        if args.device == "cuda" and not (args.eager or args.no_cuda_graphs):
+            raise ToolError("--world-size > 1 runs without CUDA graphs (the all-to-all waits on the host for the "
+                            "routing's counts): add --no-cuda-graphs")
         if args.world_size > cfg.n_experts:
             raise ToolError(f"--world-size {args.world_size} exceeds the {cfg.n_experts} routed experts of "
                             f"{cfg.name}: every rank holds at least one")
@@ -144,7 +145,7 @@ def _serve(args: argparse.Namespace, prompts: list[list[int]], rank: int = 0, wo
         raise ToolError(str(e)) from None
     start, setup = time.perf_counter(), 0.0
     if world > 1:
-        step_together(engine)
+        setup = step_together(engine)[1]
     else:
         while engine.waiting or engine.running:
             engine.step()

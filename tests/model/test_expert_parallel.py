@@ -78,3 +78,36 @@ def test_a_moe_layer_sharded_over_gloo_ranks_equals_the_whole_layer(world):
         with torch.no_grad():
             want = moe(_tokens(world, rank, whole.cfg.dim))
         assert out.shape == want.shape and torch.equal(out, want), rank
+
+
+def _compiled_rank(rank, world, port, dump, results):
+    from megafuse import passes
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    try:
+        model = shard_experts(_model(), rank, world)
+        moe = next(m for m in model.modules() if isinstance(m, MoE))
+        compiled = passes.compile(moe, passes="all", fullgraph=True, dump_dir=dump / str(rank))
+        with torch.no_grad():
+            out = compiled(_tokens(world, rank, model.cfg.dim))
+        graph = (dump / str(rank) / "graph000_mega_gate_after.txt").read_text()
+        results[rank] = (out, compiled.report.counts(), graph.count("megafuse.expert_exchange.default"), graph.count("aten.topk"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_moe_layer_compiles_whole_with_the_gate_fused(tmp_path):
+    """fullgraph: the exchange is one opaque op, and Mega-Gate still fuses the router before it."""
+    world = 2
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_compiled_rank, args=(world, _free_port(), tmp_path, results), nprocs=world, join=True)
+        results = dict(results)
+    whole = _model()
+    moe = next(m for m in whole.modules() if isinstance(m, MoE))
+    for rank in range(world):
+        out, counts, exchanges, topks = results[rank]
+        assert counts["mega_gate"] == 1 and (exchanges, topks) == (1, 0), (counts, exchanges, topks)
+        with torch.no_grad():
+            want = moe(_tokens(world, rank, whole.cfg.dim))
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

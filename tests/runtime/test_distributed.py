@@ -1,5 +1,7 @@
 """Several ranks (runtime/distributed.py): the engine over 2 gloo processes, each rank its own
-requests and a shard of the experts, returns the single-process engine's tokens; a rank that dies
+requests and a shard of the experts, returns the single-process engine's tokens in exact mode (the
+default mode's trim cuts windows at chunk boundaries, which depend on what shares a step, so no
+two schedules are compared there), eager and compiled; a rank that dies
 or raises ends the job with the rank and the reason named, within the collectives' timeout; the
 session router keeps a session on its rank and balances new ones."""
 
@@ -23,7 +25,7 @@ from megafuse.runtime.distributed import RankFailure, SessionRouter, launch, ste
 PREFIX = list(range(100, 140))
 PROMPTS = [PREFIX + [1, 2, 3], [7] * 5, list(range(300, 361)), PREFIX + [9] * 12, PREFIX + [4, 5]]
 NEW_TOKENS = [6, 2, 4, 5, 3]
-MODES = {"exact": dict(swa_bounded_replay=False, trim_decoder=False), "default": {}}
+EXACT = dict(swa_bounded_replay=False, trim_decoder=False)
 
 
 def _model(world: int = 1, rank: int = 0):
@@ -31,13 +33,13 @@ def _model(world: int = 1, rank: int = 0):
     return shard_experts(model, rank, world) if world > 1 else model
 
 
-def _engine(model, mode: str) -> Engine:
+def _engine(model, passes=None) -> Engine:
     layout = CacheLayout.private(len(PROMPTS), 80, 16)
-    return Engine(model, layout=layout, token_budget=24, passes=None, **MODES[mode])
+    return Engine(model, layout=layout, token_budget=24, passes=passes, keep_logits=True, **EXACT)
 
 
-def _serve(rank: int, world: int, mode: str, kill_rank_at_step: int | None = None) -> dict:
-    engine = _engine(_model(world, rank), mode)
+def _serve(rank: int, world: int, passes=None, kill_rank_at_step: int | None = None) -> dict:
+    engine = _engine(_model(world, rank), passes)
     router = SessionRouter(world)
     ids = {i: engine.add_request(p, n) for i, (p, n) in enumerate(zip(PROMPTS, NEW_TOKENS))
            if router.route(i, len(p) + n) == rank}
@@ -49,23 +51,25 @@ def _serve(rank: int, world: int, mode: str, kill_rank_at_step: int | None = Non
                 os.kill(os.getpid(), signal.SIGKILL)
             return original()
         engine.step = step
-    steps = step_together(engine)
+    steps, _ = step_together(engine)
     return {"outputs": {i: engine.requests[r].output for i, r in ids.items()}, "steps": steps,
-            "hits": engine.stats.prefix_hits}
+            "hits": engine.stats.prefix_hits, "logits": {i: torch.stack(engine.requests[r].logits) for i, r in ids.items()},
+            "counts": engine.step_runner.report().counts() if engine.step_runner else None}
 
 
-def _generate_one_engine(mode: str) -> dict[int, list[int]]:
-    engine = _engine(_model(), mode)
-    ids = [engine.add_request(p, n) for p, n in zip(PROMPTS, NEW_TOKENS)]
+def _one_engine() -> Engine:
+    engine = _engine(_model())
+    for p, n in zip(PROMPTS, NEW_TOKENS):
+        engine.add_request(p, n)
     while engine.waiting or engine.running:
         engine.step()
-    return {i: engine.requests[r].output for i, r in enumerate(ids)}
+    return engine
 
 
-@pytest.mark.parametrize("mode", ["exact", "default"])
-def test_two_gloo_ranks_return_the_single_process_engines_tokens(mode):
-    ranks = launch(_serve, 2, (mode,), timeout_s=120)
-    want = _generate_one_engine(mode)
+def test_two_gloo_ranks_return_the_single_process_engines_tokens():
+    ranks = launch(_serve, 2, timeout_s=120)
+    one = _one_engine()
+    want = {i: r.output for i, r in one.requests.items()}
     got = {i: out for r in ranks for i, out in r["outputs"].items()}
     assert sorted(got) == list(range(len(PROMPTS)))  # every request served, by exactly one rank
     assert sum(len(r["outputs"]) for r in ranks) == len(PROMPTS)
@@ -77,10 +81,24 @@ def test_two_gloo_ranks_return_the_single_process_engines_tokens(mode):
     assert (ranks[0]["hits"], ranks[1]["hits"]) == (1, 0)  # prompt 3 reuses prompt 0's pages on rank 0
 
 
+def test_two_gloo_ranks_run_the_compiled_step_with_the_passes():
+    """Each rank compiles its own regions (the exchange an opaque op in them): the passes fire at
+    every layer as on one process, and the logits follow the single-process eager engine's."""
+    ranks = launch(_serve, 2, ("all",), timeout_s=900)
+    one = _one_engine()
+    cfg = one.cfg
+    for r in ranks:
+        assert r["counts"] == {"mega_mhc": 2 * cfg.n_layers + 1, "mega_gate": cfg.n_layers,
+                               "mega_attention": cfg.n_layers}
+        for i, logits in r["logits"].items():
+            assert r["outputs"][i] == one.requests[i].output
+            torch.testing.assert_close(logits, torch.stack(one.requests[i].logits), rtol=1e-4, atol=1e-4)
+
+
 def test_a_rank_killed_mid_run_ends_the_job_naming_it():
     start = time.monotonic()
     with pytest.raises(RankFailure, match=r"^rank 1 was killed by SIGKILL"):
-        launch(_serve, 2, ("exact", 2), timeout_s=30)
+        launch(_serve, 2, (None, 2), timeout_s=30)
     assert time.monotonic() - start < 30  # the job ends, not the collective's timeout
 
 
@@ -129,9 +147,9 @@ def test_the_router_is_a_deterministic_least_loaded_assignment(calls, world):
     assert router.load == load
 
 
-def test_an_expert_parallel_engine_runs_the_eager_step_and_says_so():
+def test_an_expert_parallel_engine_refuses_cuda_graphs_and_says_why():
     sharded = shard_experts(_model(), 0, 1)  # a world of one: still every MoE layer a collective
-    with pytest.raises(ValueError, match=r"expert-parallel model runs the eager step \(passes=None\)"):
-        Engine(sharded, layout=CacheLayout.private(1, 32, 16), passes="all")
+    with pytest.raises(ValueError, match=r"cannot be captured as CUDA graphs: its all-to-all waits on the host"):
+        Engine(sharded, layout=CacheLayout.private(1, 32, 16), passes="all", cuda_graphs=True)
     assert Engine(sharded, layout=CacheLayout.private(1, 32, 16), passes=None).lockstep
-    assert not _engine(_model(), "exact").lockstep
+    assert not _engine(_model()).lockstep
