@@ -15,9 +15,11 @@ sizes (the batch's row tensors are marked dynamic), so one graph of each region 
 bucket. Buckets hold at least 2 rows, and a step without decoder rows (a non-final chunk under the
 trim) pads to the smallest bucket of them too: 0 and 1 are sizes Dynamo specialises on, which
 would compile graphs of their own (the padding rows cost a decode of that many rows). A bucket is
-prepared (compiled where new, captured) the first time a step needs it, on a batch of padding
-rows before the step itself runs, so the buckets a workload never uses cost nothing and `setup_s`
-says how much of a call was set-up.
+prepared (compiled where new, captured) the first time a step needs it, so the buckets a workload
+never uses cost nothing and `setup_s` says how much of a call was set-up. With CUDA graphs it is
+compiled and captured on a batch of padding rows before the step runs; without them it is compiled
+on the step's own batch, whose first run then counts as set-up (one run per step: on an
+expert-parallel model every run is a collective).
 
 The pieces: the encoder region (layers 0..L/2) and the decoder region (layers > L/2 and the
 head) are captured separately, the decoder's graph reading the encoder graph's static outputs.
@@ -51,7 +53,7 @@ def default_buckets(token_budget: int) -> tuple[int, ...]:
 @dataclass
 class GraphStats:
     buckets: int = 0  # (rows, decoder rows) buckets run so far
-    first_run_s: float = 0.0  # their first runs (on padding rows), compiles included
+    first_run_s: float = 0.0  # their first runs, compiles included
     graphs: int = 0  # region graphs compiled (a bucket of new sizes only)
     captures: int = 0  # buckets captured as CUDA graphs
     capture_s: float = 0.0
