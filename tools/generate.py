@@ -123,13 +123,12 @@ def _check_world(args: argparse.Namespace, cfg) -> None:
                             f"this machine has {torch.cuda.device_count()}")
 
 
-def _serve(args: argparse.Namespace, prompts: list[list[int]], rank: int = 0, world: int = 1) -> dict:
+def _serve(rank: int, world: int, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     """Build the model and engine of `rank` of `world`, serve the prompts routed to it, and return
-    its outputs (by prompt index), stats and expert range."""
+    its outputs (by prompt index), stats, expert range and engine description."""
     cfg, model = common.load_model(args)
-    experts = range(cfg.n_experts)
+    experts = expert_range(cfg.n_experts, rank, world)
     if world > 1:
-        experts = expert_range(cfg.n_experts, rank, world)
         shard_experts(model, rank, world)
     router = SessionRouter(world)
     longest = max(len(p) for p in prompts) + max(args.max_new_tokens, 1)
@@ -154,7 +153,7 @@ def _serve(args: argparse.Namespace, prompts: list[list[int]], rank: int = 0, wo
     runner = engine.step_runner
     return {"outputs": {i: engine.requests[r].output for i, r in ids.items()},
             "stats": dataclasses.asdict(engine.stats) | {"setup_s": setup, "seconds": seconds},
-            "experts": [experts.start, experts.stop], "cfg": cfg, "layout": dataclasses.asdict(layout),
+            "experts": [experts.start, experts.stop],
             "engine": {"prefix_cache": engine.prefix_cache, "swa_bounded_replay": not args.no_swa_bounded_replay,
                        "trim_decoder": engine.trim, "token_budget": engine.token_budget,
                        "cache": dataclasses.asdict(layout),
@@ -164,10 +163,6 @@ def _serve(args: argparse.Namespace, prompts: list[list[int]], rank: int = 0, wo
                        "buckets": None if runner is None else list(runner.buckets),
                        "graphs": None if runner is None else dataclasses.asdict(runner.stats),
                        "counts": None if runner is None else runner.report().counts()}}
-
-
-def _serve_rank(rank: int, world: int, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
-    return _serve(args, prompts, rank, world)
 
 
 def _merged_stats(ranks: list[dict]) -> dict:
@@ -188,17 +183,16 @@ def _main(args: argparse.Namespace) -> int:
     work = f"generating {args.max_new_tokens} tokens for {len(prompts)} requests"
     with common.step(work + (f" on {args.world_size} ranks" if args.world_size > 1 else "")):
         if args.world_size == 1:
-            ranks = [_serve(args, prompts)]
+            ranks = [_serve(0, 1, args, prompts)]
         else:
             try:
-                ranks = launch(_serve_rank, args.world_size, (args, prompts),
+                ranks = launch(_serve, args.world_size, (args, prompts),
                                backend="nccl" if args.device == "cuda" else "gloo", timeout_s=args.rank_timeout)
             except RankFailure as e:
                 raise ToolError(f"the {args.world_size}-rank job failed: {e}") from None
     outputs = [next(r["outputs"][i] for r in ranks if i in r["outputs"]) for i in range(len(prompts))]
     stats = _merged_stats(ranks)
     stats["output_tokens_per_s"] = sum(map(len, outputs)) / stats["seconds"]
-    cfg = ranks[0]["cfg"]
     result = {
         "schema": "megafuse.generate/3", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
         "device": args.device, "engine": ranks[0]["engine"], "sampling": dataclasses.asdict(sampling),
