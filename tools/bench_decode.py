@@ -18,7 +18,8 @@ Stages, each saved as it finishes:
    kernels from torch.profiler over `--profiled` steps without graphs (a graph replays the same
    kernels), per step: launches, and the time of each launcher's kernels (`time_us`: a pass's name
    for its fused kernels, "inductor", "other": `tools.common.KERNEL_COUNT_METHOD`) with its
-   `share` of their sum, so `share.mega_attention` is the fused attention's part of the step;
+   `share` of their sum, so `share.mega_attention` is the fused attention's part of the step, and
+   the `heaviest` kernel names (tools.common.count_kernels);
 3. no-passes-<B>: the same compiled by plain torch.compile (passes "none"), graphs on, profiled;
 4. summary: graphs' speed-up at each B (passes), the passes' speed-up at each B (graphs on).
 
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         total = sum(kernels["time_us"].values())
         return {"steps": args.profiled, "kernels_per_step": kernels["total"], "time_us": kernels["time_us"],
                 "share": {k: v / total for k, v in kernels["time_us"].items()} if total else {},
-                "method": kernels["method"]}
+                "heaviest": kernels["heaviest"], "method": kernels["method"]}
 
     def build():
         start = time.time()

@@ -413,6 +413,10 @@ KERNEL_COUNT_METHOD = {
 }
 
 
+# `count_kernels` lists this many kernel names, the longest-running per forward first: enough to
+# see what "inductor" and "other" are made of (a decode step has ~2,500 launches of ~100 names).
+HEAVIEST_KERNELS = 30
+
 # What libkineto writes to file descriptor 2 when a profile starts and stops ("USDT: ...
 # profiler_start", "STAGE: ... Completed Stage: Warm Up"), with no switch to turn it off.
 _PROFILER_CHATTER = ("USDT:", "STAGE:")
@@ -444,7 +448,8 @@ def profiling(activities: list):
 def count_kernels(fn, inputs: tuple, device: str, forwards: int = 1) -> dict:
     """What `forwards` calls of `fn(*inputs)` launch, per forward, by category, and the time each
     launcher's kernels take per forward (see KERNEL_COUNT_METHOD for exactly what is counted and
-    timed on each device)."""
+    timed on each device); `heaviest`: the HEAVIEST_KERNELS kernel names that take the most time,
+    each with its launcher, launches and time per forward."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
 
@@ -463,13 +468,19 @@ def count_kernels(fn, inputs: tuple, device: str, forwards: int = 1) -> dict:
     fused_names = megafuse_kernel_names()
     counts = {"inductor": 0, "megafuse": 0, "other": 0}
     time_us: dict[str, float] = {}
+    by_name: dict[str, dict] = {}
     for e in kernels:
         owner = kernel_owner(e.name, fused_names, device)
         counts[owner if owner in counts else "megafuse"] += 1
-        time_us[owner] = time_us.get(owner, 0.0) + e.time_range.elapsed_us() / forwards
+        us = e.time_range.elapsed_us() / forwards
+        time_us[owner] = time_us.get(owner, 0.0) + us
+        kernel = by_name.setdefault(e.name, {"name": e.name, "owner": owner, "launches": 0.0, "time_us": 0.0})
+        kernel["launches"] += 1 / forwards
+        kernel["time_us"] += us
     per_forward = {k: v / forwards for k, v in counts.items()}
+    heaviest = sorted(by_name.values(), key=lambda k: -k["time_us"])[:HEAVIEST_KERNELS]
     return {"total": sum(per_forward.values()), "by_kind": per_forward, "forwards": forwards,
-            "time_us": dict(sorted(time_us.items())), "method": KERNEL_COUNT_METHOD[device]}
+            "time_us": dict(sorted(time_us.items())), "heaviest": heaviest, "method": KERNEL_COUNT_METHOD[device]}
 
 
 def display_path(path: str | Path, root: Path | None = None) -> str:

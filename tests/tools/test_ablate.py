@@ -5,6 +5,7 @@ import json
 
 import matplotlib.image
 import pytest
+import torch
 
 from megafuse import passes
 from megafuse.tools import ablate
@@ -88,3 +89,27 @@ def test_ablate_has_one_row_per_configuration_with_counts_from_the_report(ablati
 ])
 def test_profiled_kernels_are_owned_by_the_pass_that_generated_them(device, name, owner):
     assert common.kernel_owner(name, common.megafuse_kernel_names(), device) == owner
+
+
+def test_the_heaviest_kernels_add_up_to_their_launchers_time(monkeypatch):
+    # a module of three Inductor kernels (a reduction between pointwise ops) and one ATen mm: every
+    # name is listed, and each launcher's listed kernels add up to its time and launch count
+    class Module(torch.nn.Module):
+        def forward(self, x, w):
+            h = torch.relu(x @ w)
+            return (h - h.amax(-1, keepdim=True)).exp() * 2
+    x, w = torch.randn(64, 32), torch.randn(32, 48)
+    compiled = common.compile_model(Module(), [], "cpu")
+    compiled(x, w)
+    counted = common.count_kernels(compiled, (x, w), "cpu", forwards=3)
+    heaviest = counted["heaviest"]
+    assert {k["owner"] for k in heaviest} == set(counted["time_us"]) == {"inductor", "other"}
+    assert [k["time_us"] for k in heaviest] == sorted((k["time_us"] for k in heaviest), reverse=True)
+    for owner, us in counted["time_us"].items():
+        assert sum(k["time_us"] for k in heaviest if k["owner"] == owner) == pytest.approx(us, rel=1e-9)
+        assert sum(k["launches"] for k in heaviest if k["owner"] == owner) == pytest.approx(counted["by_kind"][owner])
+    assert any(k["name"] == "aten::mm" and k["launches"] == pytest.approx(1) for k in heaviest)
+
+    monkeypatch.setattr(common, "HEAVIEST_KERNELS", 1)  # the list is cut to the longest-running name
+    top = common.count_kernels(compiled, (x, w), "cpu")["heaviest"]
+    assert len(top) == 1 and top[0]["name"] in {k["name"] for k in heaviest}
