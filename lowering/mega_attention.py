@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import string
@@ -308,6 +309,7 @@ def generate_source(spec: AttentionSpec) -> str:
         ROUND_LINES=round_lines, MXFP8_LINES=mxfp8_lines, Q_ROPE_LINES=q_rope_lines)
 
 
+@functools.cache  # asked for at every launch; the key hashes the spec's JSON (tens of us a call)
 def kernel_name(spec: AttentionSpec) -> str:
     """The cache file stem: content-addressed by the spec and the generator's template."""
     return f"mega_attention_{spec.key()}"

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import string
@@ -507,6 +508,7 @@ def _rounded(expr: str, dtype: str) -> str:
     return expr if dtype == "float32" else f"_round_{dtype}({expr})"
 
 
+@functools.cache  # asked for at every launch; the key hashes the spec's JSON (tens of us a call)
 def kernel_name(spec: GateSpec) -> str:
     """The cache file stem: content-addressed by the spec and the generator's template."""
     return f"mega_gate_{spec.key()}"
