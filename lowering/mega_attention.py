@@ -82,6 +82,7 @@ class AttentionSpec:
     mxfp8: bool  # round the output through MXFP8 (quant="ref")
     q_rope: bool = False  # rotate q's tail by +angle first (the chain's RoPE of q, rounded to key_dtype)
 
+    @functools.cache  # the launch path asks for it on every call: hash the JSON once per spec
     def key(self) -> str:
         """Short stable hash of the spec and of the generator's template (file names, memo keys)."""
         fields = dataclasses.asdict(self) | {"scale": float(self.scale).hex()}
@@ -309,7 +310,6 @@ def generate_source(spec: AttentionSpec) -> str:
         ROUND_LINES=round_lines, MXFP8_LINES=mxfp8_lines, Q_ROPE_LINES=q_rope_lines)
 
 
-@functools.cache  # asked for at every launch; the key hashes the spec's JSON (tens of us a call)
 def kernel_name(spec: AttentionSpec) -> str:
     """The cache file stem: content-addressed by the spec and the generator's template."""
     return f"mega_attention_{spec.key()}"

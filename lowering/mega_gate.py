@@ -128,6 +128,7 @@ class GateSpec:
     score_dtype: str = "float32"
     choice_dtype: str = "float32"
 
+    @functools.cache  # the launch path asks for it on every call: hash the JSON once per spec
     def key(self) -> str:
         """Short stable hash of the spec and of the generator's template (file names, memo keys)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -508,7 +509,6 @@ def _rounded(expr: str, dtype: str) -> str:
     return expr if dtype == "float32" else f"_round_{dtype}({expr})"
 
 
-@functools.cache  # asked for at every launch; the key hashes the spec's JSON (tens of us a call)
 def kernel_name(spec: GateSpec) -> str:
     """The cache file stem: content-addressed by the spec and the generator's template."""
     return f"mega_gate_{spec.key()}"
