@@ -14,10 +14,12 @@ Two entry points share every piece of that maths:
 - `forward(u [B, T, D], positions, shared)`: a one-shot prefill from position 0 of B equal-length
   sequences, with no cache. Global entries and index keys go to `shared[layer]` for later layers.
   This is the plain model the tests take as the reference.
-- `step(u [1, N, D], rows, page_table, cache, shared)`: the rows of a flat batch mixing requests
-  (`model/batch.py`), reading and writing the byte cache (`model/cache.py`). The SWA window comes
-  from the step's own rows and the request's ring; global entries and index keys are written to and
-  read from the request's pages. Only the top-k and candidate blocks travel in `shared`.
+- `step(u [1, N, D], rows, page_table, kv, selection)`: the rows of a flat batch mixing requests
+  (`model/batch.py`), reading and writing the layer's pools of the byte cache (`model/cache.py`).
+  The SWA window comes from the step's own rows and the request's ring; global entries and index
+  keys are written to and read from the request's pages. Only the top-k and candidate blocks travel
+  between layers: the step reads them as a `Selection` and returns what it publishes. It never reads
+  the layer's index, so the layers of one kind trace to one graph.
 
 In both, a layer reads the entries of `cfg.kv_source(i)` and the top-k of `cfg.topk_source(i)`.
 
@@ -27,18 +29,29 @@ incremental decode of the same tokens choose the same entries even where scores 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import quant
 from .batch import Rows
-from .cache import KVCache, row_codec
+from .cache import LayerCache, row_codec
 from .config import ModelConfig
 from .layers import RMSNorm, linear, weight
 from .rope import apply_rope, rope_angles, rope_frequencies
 
 NEG_INF = float("-inf")
+
+
+class Selection(NamedTuple):
+    """What a layer's step reads of earlier layers' indexers: the top-k of its top-k source [1, R, k]
+    (None where the layer selects its own) and the candidate source's blocks (for the layers that
+    score inside them, else None)."""
+
+    topk: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
 
 
 def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,6 +244,8 @@ class Attention(nn.Module):
         self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dtype, fp8)
         self.compressor = Compressor(cfg, self.ratio, dtype) if self.role == "full" else None
         self.indexer = Indexer(cfg, self.role == "full", dtype) if self.role in ("full", "reindex") else None
+        self.publishes_candidates = layer == cfg.candidate_source_layer
+        self.uses_candidates = cfg.uses_candidates(layer)
         self.register_buffer("rope_freqs", rope_frequencies(cfg, layer), persistent=False)
         self.codecs = {kind: row_codec(cfg, kind) for kind in ("swa", "global_kv", "index_keys")}
 
@@ -249,18 +264,20 @@ class Attention(nn.Module):
         q = apply_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), angles[:, :, None, :])
         return qr, q, apply_rope(self.kv_norm(self.wkv(u)), angles)
 
-    def _select(self, u, qr, positions, angles, keys, shared) -> None:
-        """Score this layer's queries against its owner's index keys and publish the top-k
-        (and, at the candidate source, the candidate blocks) in shared[layer]."""
+    def _select(self, u, qr, positions, angles, keys, candidates=None) -> dict:
+        """Score this layer's queries against its owner's index keys: what it publishes for later
+        layers, {"topk": [B, T, k]} and, at the candidate source, "candidates". `candidates`: the
+        candidate source's blocks, for the layers that score only inside them."""
         visible = visible_entries(positions, keys.shape[-2], self.ratio)
         scores = self.indexer.scores(u, qr, angles, keys, visible)
-        mine = shared.setdefault(self.layer, {})
-        if self.layer == self.cfg.candidate_source_layer:
-            mine["candidates"] = candidate_mask(scores, positions, self.ratio, self.cfg.candidate_blocks,
-                                                self.cfg.candidate_block_size)
-        if self.cfg.uses_candidates(self.layer):
-            scores = scores.masked_fill(~shared[self.cfg.candidate_source_layer]["candidates"], NEG_INF)
-        mine["topk"] = select_topk(scores, self.cfg.index_topk)
+        published = {}
+        if self.publishes_candidates:
+            published["candidates"] = candidate_mask(scores, positions, self.ratio, self.cfg.candidate_blocks,
+                                                     self.cfg.candidate_block_size)
+        if self.uses_candidates:
+            scores = scores.masked_fill(~candidates, NEG_INF)
+        published["topk"] = select_topk(scores, self.cfg.index_topk)
+        return published
 
     def _output(self, q, keys, valid, angles, dtype):
         """Attention over each query's keys [B, T, J, Dh], inverse RoPE, MXFP8, grouped WO-A, WO-B."""
@@ -302,7 +319,9 @@ class Attention(nn.Module):
                     "entries": self._quant(apply_rope(latents, entry_angles), quant.fake_quant_global_fp4),
                     "index_keys": self.indexer.keys(latents, entry_angles)}
             if self.indexer is not None:
-                self._select(u, qr, positions, angles, shared[cfg.kv_source(self.layer)]["index_keys"], shared)
+                candidates = shared.get(cfg.candidate_source_layer, {}).get("candidates")
+                shared.setdefault(self.layer, {}).update(self._select(
+                    u, qr, positions, angles, shared[cfg.kv_source(self.layer)]["index_keys"], candidates))
             entries = shared[cfg.kv_source(self.layer)]["entries"]
             topk = shared[cfg.topk_source(self.layer)]["topk"]  # [B, T, k]
             # A zero row after the last entry stands in for "no entry" (-1), so the gather is
@@ -337,37 +356,40 @@ class Attention(nn.Module):
         ring.index_put_((torch.where(newest, rows.slots, ring.shape[0] - 1), rows.positions.remainder(W)), new)
         return window, valid
 
-    def publish(self, u, rows, page_table, cache: KVCache) -> None:
+    def publish(self, u, rows, page_table, kv: LayerCache) -> None:
         """Full layers: write the entries and index keys completed by this step's new rows."""
-        latents = self.compressor.step(u[0], rows, cache.compressor.get(self.layer))  # [R, Dh]
+        latents = self.compressor.step(u[0], rows, kv.compressor)  # [R, Dh]
         entry = torch.div(rows.positions, self.ratio, rounding_mode="floor")
         angles = self._angles(entry * self.ratio)
         completes = (rows.positions + 1) % self.ratio == 0
         write = completes & rows.writes_global
-        for pool, value in ((cache.global_kv, self.codecs["global_kv"].encode(apply_rope(latents, angles))),
-                            (cache.index_keys, self.codecs["index_keys"].encode(self.indexer.key_values(latents, angles)))):
-            write_entries(pool[self.layer], page_table, rows.slots, entry, write, value)
+        for pool, value in ((kv.global_kv, self.codecs["global_kv"].encode(apply_rope(latents, angles))),
+                            (kv.index_keys, self.codecs["index_keys"].encode(self.indexer.key_values(latents, angles)))):
+            write_entries(pool, page_table, rows.slots, entry, write, value)
 
-    def step(self, u: torch.Tensor, rows: Rows, page_table: torch.Tensor, cache: KVCache, shared: dict,
-             publish: bool = True):
-        """u [1, R, D] for the rows of a batched step; reads and writes `cache` (see the module doc).
+    def step(self, u: torch.Tensor, rows: Rows, page_table: torch.Tensor, kv: LayerCache, selection: Selection,
+             publish: bool = True) -> tuple[torch.Tensor, dict]:
+        """u [1, R, D] for the rows of a batched step; reads and writes the layer's pools `kv` (see the
+        module doc). `selection`: the top-k (and candidate blocks) published by earlier layers that
+        this one reads. Returns (output [1, R, D], what it publishes: `_select`'s dict, or {}).
         `publish=False`: a full layer's entries were written already (`publish`, from more rows)."""
-        cfg = self.cfg
         angles = self._angles(rows.positions)[None]
         qr, q, swa_value = self._project(u, angles)
-        keys, valid = self._step_window(swa_value[0], rows, cache.swa[self.layer])
+        keys, valid = self._step_window(swa_value[0], rows, kv.swa)
 
+        published = {}
         if self.role != "swa":
-            source = cfg.kv_source(self.layer)
             if self.role == "full" and publish:
-                self.publish(u, rows, page_table, cache)
+                self.publish(u, rows, page_table, kv)
+            topk = selection.topk
             if self.indexer is not None:
                 # every entry the request's pages can hold; visibility masks the rest
-                index_keys = cache.index_keys[source][page_table[rows.slots]].flatten(1, 2)
+                index_keys = kv.index_keys[page_table[rows.slots]].flatten(1, 2)
                 index_keys = self.codecs["index_keys"].decode(index_keys, u.dtype)
-                self._select(u, qr, rows.positions, angles, index_keys[None], shared)
-            topk = shared[cfg.topk_source(self.layer)]["topk"][0]  # [R, k]
-            entries = gather_entries(cache.global_kv[source], page_table, rows.slots, topk.clamp(min=0))
+                published = self._select(u, qr, rows.positions, angles, index_keys[None], selection.candidates)
+                topk = published["topk"]
+            topk = topk[0]  # [R, k]
+            entries = gather_entries(kv.global_kv, page_table, rows.slots, topk.clamp(min=0))
             keys = torch.cat((keys, self.codecs["global_kv"].decode(entries, keys.dtype)), dim=1)
             valid = torch.cat((valid, topk >= 0), dim=1)
-        return self._output(q, keys[None], valid[None], angles, u.dtype)
+        return self._output(q, keys[None], valid[None], angles, u.dtype), published

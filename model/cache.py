@@ -37,7 +37,7 @@ value under `ref`, x itself under `none`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -144,6 +144,17 @@ class CacheLayout:
                              f"compress ratio ({', '.join(map(str, ratios))})")
 
 
+class LayerCache(NamedTuple):
+    """The pools one layer's step reads and writes: its SWA ring and its kv source's global KV,
+    index keys and compressor state (None where it has none). A layer's step takes these tensors,
+    never the layer's index, so every layer of one kind runs one compiled graph."""
+
+    swa: torch.Tensor
+    global_kv: torch.Tensor | None = None
+    index_keys: torch.Tensor | None = None
+    compressor: torch.Tensor | None = None
+
+
 @dataclass
 class KVCache:
     """Byte pools of one model; see the module docstring for the layout."""
@@ -174,6 +185,12 @@ class KVCache:
             compressor={s: zeros(slots, 2, cfg.head_dim, dtype=torch.float32)
                         for s in sources if cfg.compress_ratios[s] > 1},
         )
+
+    def layer(self, cfg: ModelConfig, layer: int) -> LayerCache:
+        """The pools layer `layer` of `cfg` reads and writes."""
+        source = cfg.kv_source(layer)
+        return LayerCache(self.swa[layer], self.global_kv.get(source), self.index_keys.get(source),
+                          self.compressor.get(source))
 
     def clear(self) -> None:
         """Zero every pool in place (a cache reused by a new engine: captured graphs keep its addresses)."""

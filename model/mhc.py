@@ -15,6 +15,8 @@ The functions here are the one reference of this math: the model calls them, and
 mHC kernel's reference calls them too.
 """
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -60,6 +62,25 @@ def hc_post(output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, com
     """X'[j] = post[j] * y + sum_i comb[i, j] X[i]; y [.., D], X [.., n, D] -> [.., n, D]."""
     mixed = torch.einsum("...ij,...id->...jd", comb, streams.float())
     return (post.unsqueeze(-1) * output.float().unsqueeze(-2) + mixed).to(streams.dtype)
+
+
+class Residual(NamedTuple):
+    """The streams with the last sublayer's `hc_post` still to apply: X' = hc_post(output, X, post, comb)
+    (only X where no sublayer ran yet). A layer's step ends before that post and the next layer's
+    step starts with it, so the seam between two layers (post, coefficients, collapse, norm) lies
+    inside one traced layer: a runtime that compiles each layer on its own keeps it whole."""
+
+    streams: torch.Tensor
+    output: torch.Tensor | None = None
+    post: torch.Tensor | None = None
+    comb: torch.Tensor | None = None
+
+    def resolve(self) -> torch.Tensor:
+        return self.streams if self.output is None else hc_post(self.output, self.streams, self.post, self.comb)
+
+    def rows(self, index: torch.Tensor) -> "Residual":
+        """The same pending residual for the rows `index` of dim 1."""
+        return Residual(*(None if t is None else t[:, index] for t in self))
 
 
 class HyperConnection(nn.Module):

@@ -26,13 +26,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import Attention
+from .attention import Attention, Selection
 from .batch import Rows, StepBatch
-from .cache import KVCache
+from .cache import KVCache, LayerCache
 from .config import ModelConfig
 from .engram import Engram
 from .layers import RMSNorm, linear
-from .mhc import HyperConnection, HyperHead, hc_post, hc_pre
+from .mhc import HyperConnection, HyperHead, Residual, hc_post, hc_pre
 from .moe import MoE
 
 
@@ -58,35 +58,45 @@ class Block(nn.Module):
         u = self.attn_norm(hc_pre(streams, pre if self.delayed else p_a))
         return streams, u, p_a, q_a, c_a
 
-    def _ffn_site(self, streams, p_a):
+    def _ffn_site(self, streams, p_a) -> tuple[Residual, torch.Tensor]:
+        """(the residual with the FFN's hc_post pending, p_f): the next layer applies that post."""
         p_f, q_f, c_f = self.ffn_hc(streams)
         u = self.ffn_norm(hc_pre(streams, p_a if self.delayed else p_f))
-        return hc_post(self.moe(u), streams, q_f, c_f), p_f
+        return Residual(streams, self.moe(u), q_f, c_f), p_f
 
     def forward(self, streams, pre, ids, positions, shared):
         streams, u, p_a, q_a, c_a = self._attention_site(streams, pre, lambda engram, x: engram(x, ids))
-        return self._ffn_site(hc_post(self.attn(u, positions, shared), streams, q_a, c_a), p_a)
+        residual, p_f = self._ffn_site(hc_post(self.attn(u, positions, shared), streams, q_a, c_a), p_a)
+        return residual.resolve(), p_f
 
     @staticmethod
     def _engram_rows(rows: Rows):
         return lambda engram, x: engram.inject(x, engram.lookup_windows(rows.ngram_ids[None]))
 
-    def step(self, streams, pre, rows: Rows, page_table, cache: KVCache, shared):
-        streams, u, p_a, q_a, c_a = self._attention_site(streams, pre, self._engram_rows(rows))
-        attended = self.attn.step(u, rows, page_table, cache, shared)
-        return self._ffn_site(hc_post(attended, streams, q_a, c_a), p_a)
+    def step(self, residual: Residual, pre, rows: Rows, page_table, kv: LayerCache, selection: Selection):
+        """One layer of a batched step: (residual with this layer's FFN post pending, p_f, what its
+        indexer publishes). It starts with the previous layer's pending post (`Residual`)."""
+        streams, u, p_a, q_a, c_a = self._attention_site(residual.resolve(), pre, self._engram_rows(rows))
+        attended, published = self.attn.step(u, rows, page_table, kv, selection)
+        return (*self._ffn_site(hc_post(attended, streams, q_a, c_a), p_a), published)
 
-    def step_trimmed(self, streams, pre, batch: StepBatch, cache: KVCache, shared):
+    def step_trimmed(self, residual: Residual, pre, batch: StepBatch, kv: LayerCache, selection: Selection):
         """The kv layer under `trim_kv_layer`: its compressor and index keys see every row; its
-        query, attention and FFN only the decoder rows (returned: streams, pre of those rows)."""
-        streams, u, p_a, q_a, c_a = self._attention_site(streams, pre, self._engram_rows(batch.rows))
-        self.attn.publish(u, batch.rows, batch.page_table, cache)
+        query, attention and FFN only the decoder rows (as `step`, for those rows)."""
+        streams, u, p_a, q_a, c_a = self._attention_site(residual.resolve(), pre, self._engram_rows(batch.rows))
+        self.attn.publish(u, batch.rows, batch.page_table, kv)
         keep = batch.decoder_index
         streams, u, p_a, q_a, c_a = (t[:, keep] for t in (streams, u, p_a, q_a, c_a))
         if keep.numel() == 0:  # a non-final chunk: nothing more to run (the bucket fixes this branch)
-            return streams, p_a
-        attended = self.attn.step(u, batch.decoder, batch.page_table, cache, shared, publish=False)
-        return self._ffn_site(hc_post(attended, streams, q_a, c_a), p_a)
+            return Residual(streams), p_a, {}
+        attended, published = self.attn.step(u, batch.decoder, batch.page_table, kv, selection, publish=False)
+        return (*self._ffn_site(hc_post(attended, streams, q_a, c_a), p_a), published)
+
+
+def run_eagerly(function, *args):
+    """How the regions run their layers and head unless told otherwise: call them. A runtime passes
+    a `run` of the same signature that compiles each distinct kind of layer once (runtime/graphs.py)."""
+    return function(*args)
 
 
 class Transformer(nn.Module):
@@ -114,7 +124,9 @@ class Transformer(nn.Module):
         pre[..., 0] = 1.0
         return streams, pre
 
-    def _logits(self, streams, pre) -> torch.Tensor:
+    def logits(self, residual: Residual, pre) -> torch.Tensor:
+        """The head: the last pending post, the collapse, the final norm, the fp32 projection."""
+        streams = residual.resolve()
         if self.head_hc is not None:
             pre = self.head_hc(streams)
         y = self.norm(hc_pre(streams, pre))
@@ -127,29 +139,51 @@ class Transformer(nn.Module):
         shared: dict = {}
         for block in self.layers:
             streams, pre = block(streams, pre, ids, positions, shared)
-        return self._logits(streams, pre)
+        return self.logits(Residual(streams), pre)
 
-    def encoder_region(self, batch: StepBatch, cache: KVCache):
+    def _selection(self, layer: int, shared: dict) -> Selection:
+        """What layer `layer` reads of the top-k and candidates published so far (`shared[layer]`)."""
+        cfg = self.cfg
+        if cfg.compress_ratios[layer] == 0:
+            return Selection()
+        own = cfg.role(layer) in ("full", "reindex")  # it runs an indexer of its own
+        return Selection(None if own else shared[cfg.topk_source(layer)]["topk"],
+                         shared[cfg.candidate_source_layer]["candidates"] if cfg.uses_candidates(layer) else None)
+
+    def _layer(self, run, function, block: Block, residual, pre, rows, cache: KVCache, shared: dict):
+        """Run `function` (Block.step or Block.step_trimmed) of `block` through `run`; its index's
+        pools and selection are resolved here, outside the layer, and what it publishes is kept."""
+        residual, pre, published = run(function, block, residual, pre, *rows, cache.layer(self.cfg, block.layer),
+                                       self._selection(block.layer, shared))
+        if published:
+            shared[block.layer] = published
+        return residual, pre
+
+    def encoder_region(self, batch: StepBatch, cache: KVCache, run=run_eagerly):
         """Layers 0..L/2 on every row (with `trim_kv_layer`, layer L/2 only writes its global KV
-        from every row); returns (streams, pre, shared) of the decoder rows only."""
+        from every row); returns (residual, pre, shared) of the decoder rows only."""
         rows, trim_kv_layer = batch.rows, self.cfg.trim_kv_layer
         streams, pre = self._embed(rows.ids[None])
-        shared: dict = {}
+        residual, shared = Residual(streams), {}
         for block in self.layers[: self.decoder_start - trim_kv_layer]:
-            streams, pre = block.step(streams, pre, rows, batch.page_table, cache, shared)
+            residual, pre = self._layer(run, Block.step, block, residual, pre, (rows, batch.page_table), cache, shared)
         keep = batch.decoder_index
         # The decoder reads the top-k and candidate blocks the encoder's index sources published.
         shared = {layer: {name: value[:, keep] for name, value in published.items()}
-                  for layer, published in shared.items() if "topk" in published}
+                  for layer, published in shared.items()}
         if trim_kv_layer:
-            return (*self.layers[self.decoder_start - 1].step_trimmed(streams, pre, batch, cache, shared), shared)
-        return streams[:, keep], pre[:, keep], shared
+            residual, pre = self._layer(run, Block.step_trimmed, self.layers[self.decoder_start - 1], residual, pre,
+                                        (batch,), cache, shared)
+            return residual, pre, shared
+        return residual.rows(keep), pre[:, keep], shared
 
-    def decoder_region(self, streams, pre, shared: dict, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+    def decoder_region(self, residual: Residual, pre, shared: dict, batch: StepBatch, cache: KVCache,
+                       run=run_eagerly) -> torch.Tensor:
         """Layers > L/2 and the head on the decoder rows: logits [M, vocab] fp32."""
         for block in self.layers[self.decoder_start:]:
-            streams, pre = block.step(streams, pre, batch.decoder, batch.page_table, cache, shared)
-        return self._logits(streams, pre)[0]
+            residual, pre = self._layer(run, Block.step, block, residual, pre, (batch.decoder, batch.page_table),
+                                        cache, shared)
+        return run(Transformer.logits, self, residual, pre)[0]
 
     def step(self, batch: StepBatch, cache: KVCache, encoder=None, decoder=None) -> torch.Tensor:
         """One batched step (both regions): logits [M, vocab] of the decoder rows, in order.
@@ -158,7 +192,7 @@ class Transformer(nn.Module):
         `DecoderRegion` modules take the same arguments)."""
         encoded = (encoder or self.encoder_region)(batch, cache)
         if batch.decoder_index.numel() == 0:
-            return encoded[0].new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
+            return encoded[1].new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
         return (decoder or self.decoder_region)(*encoded, batch, cache)
 
 
@@ -180,8 +214,8 @@ class DecoderRegion(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, streams, pre, shared: dict, batch: StepBatch, cache: KVCache):
-        return self.model.decoder_region(streams, pre, shared, batch, cache)
+    def forward(self, residual: Residual, pre, shared: dict, batch: StepBatch, cache: KVCache):
+        return self.model.decoder_region(residual, pre, shared, batch, cache)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> Transformer:

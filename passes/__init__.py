@@ -6,9 +6,9 @@
     print(fused.report.counts())                    # {"mega_gate": 12}
 """
 
-from .api import FusedModule, compile
+from .api import FusedModule, block_compiler, compile
 from .manager import PassManager
 from . import ops  # noqa: F401  (registers the megafuse:: ops and their lowerings)
 from .registry import available, descriptions
 
-__all__ = ["FusedModule", "PassManager", "available", "compile", "descriptions"]
+__all__ = ["FusedModule", "PassManager", "available", "block_compiler", "compile", "descriptions"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .blocks import BlockCompiler
 from .manager import PassManager
 from .report import CompileReport, GraphReport
 from .torch_fixes import eager_roundings
@@ -41,12 +43,17 @@ class FusedModule(nn.Module):
         return self.manager.report
 
 
-def compile(module: nn.Module, passes="all", *, pass_options: dict | None = None, dump_dir=None,
-            debug_nodes: list[str] | None = None, **torch_compile_kwargs) -> FusedModule:
+def compile(module: nn.Module, passes="all", *, blocks: bool = False, pass_options: dict | None = None,
+            dump_dir=None, debug_nodes: list[str] | None = None, **torch_compile_kwargs) -> FusedModule:
     """torch.compile `module` for inference (the result runs under torch.no_grad(): FusedModule)
     with megafuse's passes installed for this compile only.
 
     passes: "all", "none" (the plain Inductor baseline) or a list / comma-separated string of names.
+    blocks: compile each child of the module's nn.ModuleLists as a block instead of the module as one
+    graph: children of one kind (class, structure, flags) share one compiled graph, so compile time
+    no longer grows with depth (passes/blocks.py). The code outside the blocks runs eagerly, and a
+    chain that crosses a block boundary cannot fuse whole: that module's docstring states the cost.
+    The children's `forward` is replaced in place, as `nn.Module.compile` does.
     pass_options: {pass name: {option: value}}. dump_dir: write each graph before/after each pass.
     debug_nodes: FX node names whose matcher decisions are printed as they are made.
     Everything else goes to torch.compile (e.g. dynamic=True, fullgraph=True, mode=...).
@@ -59,6 +66,28 @@ def compile(module: nn.Module, passes="all", *, pass_options: dict | None = None
     debug_nodes turn the cache off for this compile unless options say otherwise: what they show
     exists only where the passes run.
     """
+    manager, inductor = _backend(passes, pass_options, dump_dir, debug_nodes, torch_compile_kwargs)
+    if not blocks:
+        return FusedModule(module, manager, torch.compile(module, backend=inductor, **torch_compile_kwargs))
+    compiler = BlockCompiler(manager, inductor, names={id(m): name for name, m in module.named_modules()},
+                             **torch_compile_kwargs)
+    for child in repeated_blocks(module):
+        child.forward = functools.partial(compiler, type(child).forward, child)
+    return FusedModule(module, manager, module)
+
+
+def block_compiler(passes="all", *, names: dict[int, str], mark_dynamic=None, pass_options: dict | None = None,
+                   **torch_compile_kwargs) -> BlockCompiler:
+    """A `BlockCompiler` (passes/blocks.py) with megafuse's passes: `compiler(function, module, *args)`
+    runs `function(module, *args)` compiled once per kind of module. For code that runs its own
+    blocks, as the runtime's step does; arguments as `compile`'s."""
+    manager, inductor = _backend(passes, pass_options, None, None, torch_compile_kwargs)
+    return BlockCompiler(manager, inductor, names=names, mark_dynamic=mark_dynamic, **torch_compile_kwargs)
+
+
+def _backend(passes, pass_options, dump_dir, debug_nodes, torch_compile_kwargs: dict):
+    """(the pass manager, Inductor with it installed); takes Inductor's own arguments out of
+    `torch_compile_kwargs` (backend, mode, options), leaving torch.compile's."""
     backend = torch_compile_kwargs.pop("backend", "inductor")
     if backend != "inductor":
         raise ValueError(f"megafuse passes run inside Inductor; backend must be 'inductor', got {backend!r}")
@@ -72,8 +101,18 @@ def compile(module: nn.Module, passes="all", *, pass_options: dict | None = None
         inductor_options.setdefault("fx_graph_cache", False)
     inductor = _InductorWithReports(manager, torch_compile_kwargs.pop("mode", None), inductor_options,
                                     torch_compile_kwargs.get("dynamic"))
-    compiled = torch.compile(module, backend=inductor, **torch_compile_kwargs)
-    return FusedModule(module, manager, compiled)
+    return manager, inductor
+
+
+def repeated_blocks(module: nn.Module) -> list[nn.Module]:
+    """The children of the outermost nn.ModuleLists under `module` (a model's layers)."""
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
+    inner = {id(m) for outer in lists for child in outer for m in child.modules()}
+    children = [child for m in lists if id(m) not in inner for child in m]
+    if not children:
+        raise ValueError(f"blocks=True compiles the children of nn.ModuleLists, and {type(module).__name__} has "
+                         "none; pass blocks=False to compile it as one graph")
+    return children
 
 
 class _InductorWithReports(torch._TorchCompileInductorWrapper):
@@ -116,6 +155,7 @@ class _InductorWithReports(torch._TorchCompileInductorWrapper):
                 compiled = super().__call__(graph, example_inputs, config_patches=patches, **kwargs)
         log.info("graph %d: compiled in %.1f s (%s)", before + report.unreported, time.perf_counter() - start,
                  "the passes ran" if len(report.graphs) > before else "from Inductor's cache")
+        compile_id = str(torch._guards.CompileContext.current_compile_id())
         if len(report.graphs) > before:  # the passes ran
             stored.parent.mkdir(parents=True, exist_ok=True)
             stored.write_text(json.dumps([g.to_dict() for g in report.graphs[before:]]))
@@ -126,6 +166,8 @@ class _InductorWithReports(torch._TorchCompileInductorWrapper):
                 report.graphs.append(graph_report)
         else:
             report.unreported += 1
+        for graph_report in report.graphs[before:]:
+            graph_report.compile_id = compile_id
         return compiled
 
     def _key(self, graph, example_inputs) -> str:

@@ -63,6 +63,15 @@ class PassReport:
 class GraphReport:
     passes: list[PassReport] = field(default_factory=list)
     cached: bool = False  # served from Inductor's caches: the passes ran when it was first compiled
+    # Where repeated blocks share compiled graphs (passes/blocks.py): the blocks (layers) whose
+    # latest call ran this graph. None for the graph of a whole module, which runs once a call.
+    blocks: list[str] | None = None
+    compile_id: str | None = None  # Dynamo's id of the compile in this process
+
+    @property
+    def runs(self) -> int:
+        """How many times a call of the compiled module runs this graph."""
+        return 1 if self.blocks is None else len(self.blocks)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,7 +101,10 @@ class CompileReport:
         return [r for p in self._all(name) for r in p.rejections]
 
     def counts(self) -> dict[str, int]:
-        return {name: len(self.matches(name)) for name in self.pass_names}
+        """Fused sites per pass in one call of the compiled module: a graph that several blocks run
+        counts once per block."""
+        return {name: sum(len(p.matches) * g.runs for g in self.graphs for p in g.passes if p.name == name)
+                for name in self.pass_names}
 
     @classmethod
     def combined(cls, *reports: "CompileReport") -> "CompileReport":
@@ -115,6 +127,7 @@ class CompileReport:
             "passes": self.pass_names,
             "graphs": len(self.graphs),
             "graphs_from_cache": sum(g.cached for g in self.graphs),
+            "graph_blocks": [g.blocks for g in self.graphs],
             "graphs_unreported": self.unreported,
             "counts": self.counts(),
             "per_pass": {
@@ -140,11 +153,16 @@ class CompileReport:
         if self.unreported:
             notes.append(f"{self.unreported} graphs from Inductor's cache had no stored report: their matches are "
                          "missing here (compile with options={'fx_graph_cache': False} to run the passes again)")
+        shared = [g for g in self.graphs if g.blocks is not None and len(g.blocks) > 1]
+        if shared:
+            notes.append(f"{sum(len(g.blocks) for g in shared)} blocks ran {len(shared)} shared graphs; "
+                         "matches count each block")
+        counts = self.counts()
         table = Table(title="megafuse passes", caption="; ".join(notes) or None)
         for col in ("pass", "matches", "rejected", "time (ms)", "rejection reasons"):
             table.add_column(col)
         for name in self.pass_names:
             reasons = [f"{reason} (x{count})" if count > 1 else reason for reason, count in self.rejection_reasons(name)]
-            table.add_row(name, str(len(self.matches(name))), str(len(self.rejections(name))),
+            table.add_row(name, str(counts[name]), str(len(self.rejections(name))),
                           f"{sum(p.time_s for p in self._all(name)) * 1e3:.1f}", "\n".join(reasons) or "-")
         return table

@@ -21,15 +21,26 @@ compiled and captured on a batch of padding rows before the step runs; without t
 on the step's own batch, whose first run then counts as set-up (one run per step: on an
 expert-parallel model every run is a collective).
 
+Compiled once per kind of layer (`blocks=True`, the default): the regions run as Python loops over
+their layers, and each layer runs a graph compiled once for its kind (role, flags, shapes and
+dtypes: passes/blocks.py), the head one of its own. A model of 40 layers of a handful of kinds
+compiles a handful of graphs, and Inductor's caches serve them to the next process. Each layer
+ends before its FFN's mHC post and the next begins with it (model/mhc.py `Residual`), so every
+seam fuses whole. `blocks=False` compiles each region as one graph of all its layers instead
+(the same fusions; compile time grows with depth).
+
 The pieces: the encoder region (layers 0..L/2) and the decoder region (layers > L/2 and the
 head) are captured separately, the decoder's graph reading the encoder graph's static outputs.
 Padding rows write only the cache's scratch slot and page, so the capture itself (run on an
 all-padding batch) leaves every request's cache untouched. All graphs share one memory pool:
-they replay one at a time, and each step's logits are read before the next replay.
+they replay one at a time, and each step's logits are read before the next replay. The largest
+bucket is captured first, whatever bucket is asked for first: every later graph then fits in
+memory the pool already holds, so the pool costs about what the largest bucket costs.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, fields
 
@@ -37,6 +48,7 @@ import torch
 
 from megafuse import passes as megafuse_passes
 from megafuse.model import CacheLayout, DecoderRegion, EncoderRegion, KVCache, StepBatch, build_step
+from megafuse.model.attention import Selection
 from megafuse.model.batch import Rows
 from megafuse.passes.report import CompileReport
 
@@ -54,7 +66,9 @@ def default_buckets(token_budget: int) -> tuple[int, ...]:
 class GraphStats:
     buckets: int = 0  # (rows, decoder rows) buckets run so far
     first_run_s: float = 0.0  # their first runs, compiles included
-    graphs: int = 0  # region graphs compiled (a bucket of new sizes only)
+    graphs: int = 0  # graphs compiled: per kind of layer and the head, or per region (blocks=False)
+    graphs_from_cache: int = 0  # of those, served by Inductor's caches (a warm start)
+    compile_s: float = 0.0  # of first_run_s, the calls that compiled a graph
     captures: int = 0  # buckets captured as CUDA graphs
     capture_s: float = 0.0
     graph_bytes: int = 0  # device memory the graphs' pool reserves
@@ -80,6 +94,16 @@ def _mark_rows_dynamic(batch: StepBatch) -> None:
         torch._dynamo.mark_dynamic(t, 0)
 
 
+def _mark_layer_rows_dynamic(function, args) -> None:
+    """A layer's (or the head's) inputs from the layer before: the residual, pre and the selection,
+    all [1, rows, ...]. Their row count is symbolic too, so one graph per kind serves every bucket."""
+    tensors = [t for t in args[0] if t is not None] + [args[1]]
+    if isinstance(args[-1], Selection):
+        tensors += [t for t in args[-1] if t is not None]
+    for t in tensors:
+        torch._dynamo.mark_dynamic(t, 1)
+
+
 def _copy_batch(static: StepBatch, batch: StepBatch) -> None:
     for rows_static, rows in ((static.rows, batch.rows), (static.decoder, batch.decoder)):
         for f in fields(Rows):
@@ -92,7 +116,7 @@ class CompiledStep:
     """`run(batch, cache) -> logits` for the engine: the compiled regions, replayed as CUDA graphs."""
 
     def __init__(self, model, *, layout: CacheLayout, buckets: tuple[int, ...], passes="all",
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, blocks: bool = True):
         sizes = tuple(int(b) for b in buckets)
         if not sizes or list(sizes) != sorted(set(sizes)):
             raise ValueError(f"buckets must be increasing row counts, got {buckets}")
@@ -106,9 +130,17 @@ class CompiledStep:
         self.model, self.layout, self.buckets = model, layout, sizes
         self.cuda_graphs = cuda_graphs  # may be switched off later: the compiled regions then run as they are
         self.passes = megafuse_passes.registry.resolve(passes)  # names, registry order
-        kwargs = dict(passes=passes, fullgraph=True, dynamic=None)  # row counts: marked per call
-        self.encoder = megafuse_passes.compile(EncoderRegion(model), **kwargs)
-        self.decoder = megafuse_passes.compile(DecoderRegion(model), **kwargs)
+        self.blocks = blocks
+        kwargs = dict(fullgraph=True, dynamic=None)  # row counts: marked per call
+        if blocks:
+            names = {id(m): name for name, m in model.named_modules()}
+            self.compiler = megafuse_passes.block_compiler(passes, names=names, mark_dynamic=_mark_layer_rows_dynamic,
+                                                           **kwargs)
+            self.encoder = functools.partial(model.encoder_region, run=self.compiler)
+            self.decoder = functools.partial(model.decoder_region, run=self.compiler)
+        else:
+            self.encoder = megafuse_passes.compile(EncoderRegion(model), passes=passes, **kwargs)
+            self.decoder = megafuse_passes.compile(DecoderRegion(model), passes=passes, **kwargs)
         self.device = device
         self.cache = KVCache.allocate(model.cfg, layout, device)
         self.stats = GraphStats()
@@ -119,6 +151,8 @@ class CompiledStep:
 
     def report(self) -> CompileReport:
         """The passes' matches and rejections over every graph compiled so far."""
+        if self.blocks:
+            return self.compiler.report
         return CompileReport.combined(self.encoder.report, self.decoder.report)
 
     def bucket(self, rows: int, decoder_rows: int) -> tuple[int, int]:
@@ -131,7 +165,9 @@ class CompiledStep:
                              f"the buckets must reach the engine's token budget")
         return pad(rows), pad(decoder_rows)  # no decoder rows pads to the smallest bucket too: one graph
 
-    def _regions(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+    def run(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        """The compiled regions on `batch` and any cache, without CUDA graphs or bucket bookkeeping
+        (a batch of 2 rows or more: buckets hold at least 2)."""
         _mark_rows_dynamic(batch)
         # fail loudly rather than fall back to eager if the graphs ever exceed Dynamo's limit
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
@@ -145,12 +181,22 @@ class CompiledStep:
         if not self.cuda_graphs:
             if key not in self.compiled_buckets:  # compiled on this batch: its first run is setup
                 return self._compile(key, batch)
-            return self._regions(batch, cache)
-        if key not in self.compiled_buckets:
-            self._compile(key)
+            return self.run(batch, cache)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(key)
+            self.prepare([key])
         return self._graphs[key].replay(batch)
+
+    def prepare(self, keys: list[tuple[int, int]]) -> None:
+        """Compile (where new) and capture the (rows, decoder rows) buckets `keys` before a step needs
+        them, largest first; the pool's first graph is the largest bucket's (module docstring)."""
+        if not self.cuda_graphs:
+            raise ValueError("prepare() captures CUDA graphs; this step runs without them (cuda_graphs=False)")
+        largest = (self.buckets[-1], self.buckets[-1])
+        for key in sorted(set(keys) | ({largest} if self._pool is None else set()), reverse=True):
+            if key not in self._graphs:
+                if key not in self.compiled_buckets:
+                    self._compile(key)
+                self._graphs[key] = self._capture(key)
 
     def _padding(self, key: tuple[int, int]) -> StepBatch:
         """A batch of padding rows only: it writes the scratch slot and page and nothing else."""
@@ -167,13 +213,15 @@ class CompiledStep:
         ranks must enter the same number of times."""
         self._sync()
         start = time.perf_counter()
-        logits = self._regions(self._padding(key) if batch is None else batch, self.cache)
+        logits = self.run(self._padding(key) if batch is None else batch, self.cache)
         self._sync()
         seconds = time.perf_counter() - start
         self.compiled_buckets.add(key)
         self.stats.buckets += 1
         self.stats.first_run_s += seconds
-        self.stats.graphs = len(self.report().graphs)
+        report = self.report()
+        self.stats.graphs, self.stats.graphs_from_cache = len(report.graphs), sum(g.cached for g in report.graphs)
+        self.stats.compile_s = self.compiler.compile_s if self.blocks else self.stats.first_run_s
         self.setup_s += seconds
         return logits
 
@@ -187,11 +235,11 @@ class CompiledStep:
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         encoder_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(encoder_graph, pool=self._pool):
-            streams, pre, shared = self.encoder(static, cache)
+            encoded = self.encoder(static, cache)
         self._pool = encoder_graph.pool()
         decoder_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(decoder_graph, pool=self._pool):
-            logits = self.decoder(streams, pre, shared, static, cache)
+            logits = self.decoder(*encoded, static, cache)
         self._sync()
         seconds = time.perf_counter() - start
         self.stats.captures += 1

@@ -375,18 +375,18 @@ class Stopwatch:
     def __init__(self, device: str):
         self.cuda = device == "cuda"
 
-    def __call__(self, fn, *args):
-        """(fn(*args), seconds)."""
+    def __call__(self, fn, *args, **kwargs):
+        """(fn(*args, **kwargs), seconds)."""
         if self.cuda:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = fn(*args)
+            out = fn(*args, **kwargs)
             end.record()
             end.synchronize()
             return out, start.elapsed_time(end) / 1e3
         start = time.perf_counter()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         return out, time.perf_counter() - start
 
 

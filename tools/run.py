@@ -6,10 +6,11 @@ What it does, in order:
    per request, [B, T], from `--seed`; a byte cache (model/cache.py) with B request slots;
 2. eager reference: one prefill step of the B prompts, then `--decode N` greedy decode steps of B
    rows each, through the model's batched step (`model.step`: model/batch.py), timed;
-3. compiles the step's two regions (`EncoderRegion`: layers 0..L/2, `DecoderRegion`: layers > L/2
-   and the head) with the enabled passes (`passes.compile(..., fullgraph=True, dynamic=False)`).
-   Each region compiles once per bucket: the prefill step ([B*T] rows) and the decode step ([B]
-   rows), so at most 4 graphs; a warm-up prefill + decode on a cache of its own compiles them;
+3. compiles the engine's step (runtime.graphs.CompiledStep, without CUDA graphs) with the enabled
+   passes: one graph per kind of layer and one for the head, each serving every layer of its kind
+   and both the prefill step ([B*T] rows) and the decode step ([B] rows, at least 2: a padding row
+   joins a single request); a warm-up prefill + decode on a cache of its own compiles them. A
+   second run finds them in Inductor's caches (`graph.graphs_from_cache`);
 4. runs the compiled regions on a fresh cache: the prefill, then every decode step incrementally
    (one new row per request, reading the cache; the sequence is never re-run). Decode steps are
    teacher-forced with eager's greedy tokens, so both sides see the same inputs at every step (a
@@ -34,9 +35,9 @@ JSON (`--json PATH`, '-' for stdout), schema "megafuse.run/2":
     passes          [str]   enabled passes, registry order
     parameters      {total, backbone, engram_tables, routed_experts, activated_per_token}
     cache           {page_size, pages, slots, bytes: {swa, global_kv, index_keys, compressor}}
-    graph           {regions: ["encoder", "decoder"], buckets: {prefill: [rows, decoder rows],
-                     decode: [rows, decoder rows]}, dynamic: false, note: str, compile_s: float
-                     (the warm-up prefill + decode, compiles included), graphs_compiled: int}
+    graph           {buckets: {prefill: [rows, decoder rows], decode: [rows, decoder rows]}, note: str,
+                     compile_s: float (the warm-up prefill + decode, compiles included),
+                     graphs_compiled: int, graphs_from_cache: int, graph_blocks: [[layer names]]}
     counts          {pass: matches}   == report.counts
     report          CompileReport.to_dict(): {passes, graphs, counts,
                      per_pass: {pass: {matches: [{op, node, spec, replaced, sources}],
@@ -60,9 +61,9 @@ import argparse
 import torch
 from rich.table import Table
 
-from megafuse.model import CacheLayout, DecoderRegion, EncoderRegion, SequenceGroup
+from megafuse.model import CacheLayout, SequenceGroup
 from megafuse.model.stats import parameter_counts
-from megafuse.passes.report import CompileReport
+from megafuse.runtime.graphs import CompiledStep
 
 from . import common
 from .common import Stopwatch, compare_logits, median, merge_metrics, step
@@ -101,13 +102,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 PAGE_SIZE = 64  # token positions per cache page (model/cache.py)
 
 
-def _generate(run, group: SequenceGroup, steps: int, clock: Stopwatch, forced: torch.Tensor | None = None):
+def _generate(run, group: SequenceGroup, steps: int, clock: Stopwatch, forced: torch.Tensor | None = None,
+              min_rows: int = 1):
     """Prefill every sequence of `group`, then `steps` decode steps of one row each: prompt logits
     [B, T, V], per-step logits [B, V], greedy tokens [B, steps + 1], TTFT and step times. With
     `forced` [B, steps], step k feeds forced[:, k] instead of the previous greedy token (teacher
-    forcing: pass the greedy tokens of another run)."""
+    forcing: pass the greedy tokens of another run). Steps of fewer than `min_rows` rows are padded."""
     B, T = len(group.sequences), len(group.sequences[0].tokens)
-    (_, prompt_logits), ttft = clock(group.step, run, [(i, T, True) for i in range(B)])
+    pad = {"rows": max(B, min_rows), "decoder_rows": max(B, min_rows)}
+    (_, prompt_logits), ttft = clock(group.step, run, [(i, T, True) for i in range(B)],
+                                     rows=max(B * T, min_rows), decoder_rows=max(B * T, min_rows))
     prompt_logits = torch.stack(prompt_logits)
     tokens = [prompt_logits[:, -1].argmax(-1)]
     step_logits, step_s = [], []
@@ -115,7 +119,7 @@ def _generate(run, group: SequenceGroup, steps: int, clock: Stopwatch, forced: t
         fed = tokens[-1] if forced is None else forced[:, k]
         for seq, token in zip(group.sequences, fed.tolist()):
             seq.tokens.append(token)
-        (_, logits), seconds = clock(group.step, run, [(i, 1, True) for i in range(B)])
+        (_, logits), seconds = clock(group.step, run, [(i, 1, True) for i in range(B)], **pad)
         step_logits.append(torch.cat(logits))
         step_s.append(seconds)
         tokens.append(step_logits[-1].argmax(-1))
@@ -153,8 +157,8 @@ def _main(args: argparse.Namespace) -> int:
     header.add_row("parameters", f"{params['total']:,}")
     header.add_row("passes", ", ".join(names) or "none (plain Inductor)")
     header.add_row("prompt / decode", f"{B} x {T} tokens, {N} greedy steps")
-    header.add_row("compiled step", "2 regions (layers 0.." + str(model.decoder_start - 1) + f" | {model.decoder_start}.."
-                   f"{cfg.n_layers - 1} + head) x " + " and ".join(f"{k} [{v[0]} rows]" for k, v in buckets.items()))
+    header.add_row("compiled step", f"each kind of layer of {cfg.n_layers} and the head compiled once, for "
+                   + " and ".join(f"{k} [{max(v[0], 2)} rows]" for k, v in buckets.items()))
     console.print(header)
 
     with torch.no_grad():
@@ -164,20 +168,16 @@ def _main(args: argparse.Namespace) -> int:
             eager = group()
             prompt_ref, steps_ref, eager_tokens, eager_ttft, eager_step_s = _generate(model.step, eager, N, clock)
 
-        # 2. compile the two regions: a warm-up prefill and decode compiles each bucket
-        encoder = common.compile_model(EncoderRegion(model), names, args.device)
-        decoder = common.compile_model(DecoderRegion(model), names, args.device)
-
-        def compiled_step(batch, cache):
-            return decoder(*encoder(batch, cache), batch, cache)
-
-        with step(f"compiling the step's 2 regions for {' and '.join(buckets)} with {', '.join(names) or 'no passes'}"):
-            _, compile_s = clock(_generate, compiled_step, group(), min(N, 1), clock, eager_tokens[:, :1])
+        # 2. compile the step: a warm-up prefill and decode compiles each kind of layer once
+        compiled = CompiledStep(model, layout=layout, passes=names,
+                                buckets=tuple(sorted({max(rows, 2) for rows, _ in buckets.values()})))
+        with step(f"compiling each kind of layer with {', '.join(names) or 'no passes'}"):
+            _, compile_s = clock(_generate, compiled.run, group(), min(N, 1), clock, eager_tokens[:, :1], 2)
 
         # 3. compiled prefill and incremental decode, teacher-forced with eager's tokens
         with step(f"compiled: prefill and {N} incremental decode steps"):
-            prompt_got, steps_got, compiled_tokens, ttft, step_s = _generate(compiled_step, group(), N, clock,
-                                                                             eager_tokens[:, :N])
+            prompt_got, steps_got, compiled_tokens, ttft, step_s = _generate(compiled.run, group(), N, clock,
+                                                                             eager_tokens[:, :N], 2)
 
     # 4. compare
     prompt_metrics = compare_logits(prompt_ref, prompt_got)
@@ -188,7 +188,7 @@ def _main(args: argparse.Namespace) -> int:
         step_metrics.append(m)
     overall = merge_metrics([prompt_metrics] + step_metrics)
     passed = overall["finite"] and overall["max_abs"] <= tolerance
-    report = CompileReport.combined(encoder.report, decoder.report)
+    report = compiled.report()
     cache = group().cache
     result = {
         "schema": "megafuse.run/2",
@@ -197,10 +197,11 @@ def _main(args: argparse.Namespace) -> int:
         "passes": names,
         "parameters": params,
         "cache": {"page_size": layout.page_size, "pages": layout.pages, "slots": layout.slots, "bytes": cache.nbytes()},
-        "graph": {"regions": ["encoder", "decoder"], "buckets": buckets, "dynamic": False, "compile_s": compile_s,
-                  "graphs_compiled": len(report.graphs),
-                  "note": "each region compiles once per bucket; decode steps read the byte cache, one row "
-                          "per request (the sequence is never re-run)"},
+        "graph": {"buckets": buckets, "compile_s": compile_s, "graphs_compiled": len(report.graphs),
+                  "graphs_from_cache": sum(g.cached for g in report.graphs),
+                  "graph_blocks": [g.blocks for g in report.graphs],
+                  "note": "one graph per kind of layer and one for the head, each serving both buckets; decode "
+                          "steps read the byte cache, one row per request (the sequence is never re-run)"},
         "counts": report.counts(),
         "report": report.to_dict(),
         "comparison": {"prompt": prompt_metrics, "steps": step_metrics, "overall": overall,
@@ -226,10 +227,9 @@ def _fmt_metrics(m: dict) -> list[str]:
 
 def _print(result: dict, report) -> None:
     console.print(report.table())
-    expected = 2 * len(result["graph"]["buckets"])
-    console.print(f"counts above: {result['graph']['graphs_compiled']} graphs (2 regions x "
-                  f"{len(result['graph']['buckets'])} buckets" + (")" if result["graph"]["graphs_compiled"] == expected
-                                                                  else f"; {expected} expected: a recompile)"))
+    graph = result["graph"]
+    console.print(f"counts above: per step, over {graph['graphs_compiled']} graphs (one per kind of layer and the "
+                  f"head; {graph['graphs_from_cache']} from Inductor's cache), each counted once per layer that runs it")
     comparison = result["comparison"]
     table = Table(title="compiled vs eager logits, same inputs (decode teacher-forced with eager's tokens)")
     for col in ("", "positions", "max |err|", "cosine min", "top-1", "next token\neager/compiled"):

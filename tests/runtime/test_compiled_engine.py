@@ -45,7 +45,11 @@ def _check_against_eager(model, **flags):
     return engine
 
 
-@pytest.mark.slow  # ~2 min of compiles on 2 CPU cores (one graph per region)
+# Every layer has two mHC seams, one gate and one attention; the head adds its collapse.
+SHALLOW_COUNTS = {"mega_mhc": 2 * 4 + 1, "mega_gate": 4, "mega_attention": 4}
+
+
+@pytest.mark.slow  # ~1 min of compiles on 2 CPU cores (one graph per kind of layer)
 def test_compiled_step_per_bucket_equals_the_eager_engine(shallow):
     engine = _check_against_eager(shallow, cuda_graphs=False)
     runner = engine.step_runner
@@ -57,12 +61,25 @@ def test_compiled_step_per_bucket_equals_the_eager_engine(shallow):
     report = runner.report()
     rejected = {name: [r.reason for r in report.rejections(name)] for name in report.pass_names}
     assert rejected == {"mega_mhc": [], "mega_gate": [], "mega_attention": []}
-    # symbolic row counts: one graph per region serves every bucket. Encoder: 2 seams, 1 gate and
-    # 1 attention per layer (3 layers); decoder: 2 seams, the head's collapse, 1 gate, 1 attention
-    per_graph = [tuple(len(p.matches) for p in graph.passes) for graph in report.graphs]
-    assert sorted(per_graph) == [(3, 1, 1), (6, 3, 3)] and runner.stats.graphs == 2
+    # symbolic row counts: one graph per kind of layer serves every bucket; the shallow model's four
+    # layers are four kinds (SWA-only first layer, Engram + compressor, the decoder KV source, reindex)
+    assert sorted(graph.blocks for graph in report.graphs) == [["Transformer"], ["layers.0"], ["layers.1"],
+                                                                ["layers.2"], ["layers.3"]]
+    assert runner.stats.graphs == 5 and report.counts() == SHALLOW_COUNTS
     attention = [m.spec for graph in report.graphs for p in graph.passes if p.name == "mega_attention" for m in p.matches]
     assert [spec["q_rope"] for spec in attention] == [True] * 4  # q's RoPE in the kernel's prologue
+
+
+@pytest.mark.slow  # ~1 min: the two regions compiled whole
+def test_whole_region_compile_fuses_what_the_block_compile_fuses(shallow):
+    runner = CompiledStep(shallow, layout=LAYOUT, buckets=(8, 32), blocks=False)
+    engine = Engine(shallow, layout=LAYOUT, token_budget=32, compiled=runner)
+    engine.generate(_prompts(shallow.cfg)[:1], 1)
+    report = runner.report()
+    # one graph per region: the encoder's 3 layers (2 seams, a gate and an attention each) and the
+    # decoder's layer with the head's collapse
+    assert sorted(tuple(len(p.matches) for p in graph.passes) for graph in report.graphs) == [(3, 1, 1), (6, 3, 3)]
+    assert runner.stats.graphs == 2 and report.counts() == SHALLOW_COUNTS
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

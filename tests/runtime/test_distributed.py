@@ -7,7 +7,6 @@ session router keeps a session on its rank and balances new ones."""
 
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -96,10 +95,10 @@ def test_two_gloo_ranks_run_the_compiled_step_with_the_passes():
 
 
 def test_a_rank_killed_mid_run_ends_the_job_naming_it():
-    start = time.monotonic()
+    # The collectives' timeout is long on purpose: had the job waited for it, the first failure
+    # would be rank 0's timed-out collective, not rank 1's death, and the message would not match.
     with pytest.raises(RankFailure, match=r"^rank 1 was killed by SIGKILL"):
-        launch(_serve, 2, (None, 2), timeout_s=30)
-    assert time.monotonic() - start < 30  # the job ends, not the collective's timeout
+        launch(_serve, 2, (None, 2), timeout_s=600)
 
 
 def _raise_on_rank_0(rank: int, world: int) -> int:
