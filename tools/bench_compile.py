@@ -13,9 +13,10 @@ cache folder (`--cache-dir`; default: a new empty one, so the first phase compil
 
 In each phase: the first decode step of `--batches`[0] requests at `--context` tokens compiles the
 step (`compile_s`: that call's wall time, compiles included; `graphs`, `graphs_from_cache`: from the
-pass report), then the passes' fused-site counts per step; the logits of every batch size (saved,
-so the summary compares phases: blocks against regions, each against a second call of itself,
-the step's run-to-run noise); on a GPU the step with CUDA graphs (median wall time of `--repeat`
+pass report), then the passes' fused-site counts per step; the logits of every batch size, each
+call on a cleared cache (saved, so the summary compares phases: blocks against regions; each
+against a second call of itself, the step's run-to-run noise, and against the eager step, the
+compile's own deviation); on a GPU the step with CUDA graphs (median wall time of `--repeat`
 after 3 untimed), then every decode bucket of a `--token-budget` engine captured into the step's
 one pool (`graph_bytes`: what the pool reserved, largest bucket first). The contexts are synthetic,
 as in bench_decode: zero bytes, no prefill.
@@ -133,6 +134,7 @@ def summary(runs: list[dict], work: str) -> dict:
             diffs[B] = (a - b).abs().max().item()
         out["blocks_vs_regions_logits_max_abs"] = diffs
         out["run_to_run_max_abs"] = {"blocks": blocks[0]["repeat_max_abs"], "regions": regions["repeat_max_abs"]}
+        out["vs_eager_max_abs"] = {"blocks": blocks[0]["eager_max_abs"], "regions": regions["eager_max_abs"]}
         if "graphs_step_s" in regions:
             out["graphs_step_speedup_vs_regions"] = {B: regions["graphs_step_s"][B] / blocks[0]["graphs_step_s"][B]
                                                      for B in regions["graphs_step_s"]}
@@ -176,10 +178,13 @@ def run_phase(args) -> dict:
         result = {"compile_s": round(time.perf_counter() - start, 2), "graphs": step.stats.graphs,
                   "graphs_from_cache": step.stats.graphs_from_cache, "counts": step.report().counts(),
                   "graph_blocks": [g.blocks for g in step.report().graphs], "logits": {}, "repeat_max_abs": 0.0}
-        for B, batch in batches.items():
-            logits = step(batch, step.cache).clone()
-            again = step(batch, step.cache)
+        result["eager_max_abs"] = 0.0
+        for B, batch in batches.items():  # each call on a cleared cache: the same inputs every time
+            logits = fresh(step, batch).clone()
+            again = fresh(step, batch)
+            eager = fresh(step, batch, model.step)
             result["repeat_max_abs"] = max(result["repeat_max_abs"], (again - logits).abs().max().item())
+            result["eager_max_abs"] = max(result["eager_max_abs"], (eager - logits).abs().max().item())
             path = os.path.join(os.path.dirname(args.phase_out), f"{os.path.basename(args.phase_out)}.{B}.pt")
             torch.save(logits.cpu(), path)
             result["logits"][str(B)] = path
@@ -191,6 +196,13 @@ def run_phase(args) -> dict:
             result.update(captures=step.stats.captures, capture_s=round(step.stats.capture_s, 2),
                           graph_bytes=step.stats.graph_bytes, graph_gib=round(step.stats.graph_bytes / 2 ** 30, 3))
     return result
+
+
+def fresh(step: CompiledStep, batch, run=None):
+    """`run` (default: the step) on the step's cache, cleared first (a step writes its rows: a
+    second call would read them)."""
+    step.cache.clear()
+    return (run or step)(batch, step.cache)
 
 
 def timed(step: CompiledStep, batch, repeat: int, sync) -> float:

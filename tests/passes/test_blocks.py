@@ -93,3 +93,26 @@ def test_a_block_that_reads_its_index_compiles_one_graph_per_layer_and_counts_st
 def test_block_compile_needs_a_module_list_and_says_so():
     with pytest.raises(ValueError, match="nn.ModuleLists.*blocks=False"):
         passes.compile(RoutedLayer(0), passes=["mega_gate"], blocks=True)
+
+
+def test_hf_deepseek_v4_layers_compile_once_per_kind_and_fuse_as_the_whole_graph_does():
+    """HF's layers end with their FFN's hc_post, so under blocks=True a seam's post lies in the
+    layer before: each seam still fuses (coefficients, collapse, norm), the post stays outside.
+    The counts equal the whole-graph compile's; the hash-routed and the learned-router layers are
+    the two kinds."""
+    from tests.passes.test_mega_gate_models import _hf_model
+
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    whole = passes.compile(_hf_model(), passes="all")
+    want = whole(ids, use_cache=False).logits
+    model = _hf_model()
+    torch._dynamo.reset()
+    fused = passes.compile(model, passes="all", blocks=True)
+    got = fused(ids, use_cache=False).logits
+    n_layers = model.config.num_hidden_layers
+    assert fused.report.counts() == whole.report.counts()
+    assert fused.report.counts()["mega_mhc"] == 2 * n_layers
+    assert sorted(g.blocks for g in fused.report.graphs) == [[f"model.layers.{i}" for i in range(2)],
+                                                            [f"model.layers.{i}" for i in range(2, n_layers)]]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

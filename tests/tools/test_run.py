@@ -5,9 +5,9 @@ comparison with eager over the prompt and every decode step, and an exit status 
 import json
 import re
 
+import pytest
+
 from megafuse import passes
-from megafuse.model import DecoderRegion, EncoderRegion
-from megafuse.passes.report import CompileReport
 from megafuse.tools import run
 from megafuse.tools.cli import main
 from tests.passes.tiny import step_counts
@@ -18,8 +18,12 @@ RUN_KEYS = {"schema", "config", "dtype", "quant", "device", "batch", "prompt_len
 METRIC_KEYS = {"positions", "max_abs", "cosine_min", "cosine_mean", "top1_agreement", "finite"}
 TIMING_KEYS = {"ttft_s", "step_s", "per_token_s", "tokens_per_s"}
 
+# One worker, in order: the first test compiles tiny's kinds of layer, the others find them in
+# Inductor's cache (a worker compiling them at the same time would compile them again).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("run_tool")]
 
-def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_compiles, tiny, tiny_config, capsys):
+
+def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, tiny, tiny_config, capsys):
     out = tmp_path / "run.json"
     assert main(["run", "--config", tiny_config, "--prompt-len", "6", "--decode", "2", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
@@ -30,21 +34,17 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_c
     assert r["passes"] == passes.available()
     graph = r["graph"]
     assert graph["buckets"] == {"prefill": [6, 6], "decode": [1, 1]} and graph["compile_s"] > 0
-    assert graph["graphs_compiled"] == 4  # 2 regions x 2 buckets, fullgraph, static shapes
+    # one graph per kind of layer, each serving both buckets: the 5 layers are 5 kinds, and the head
+    assert graph["graphs_compiled"] == 6
+    assert sorted(graph["graph_blocks"]) == [["Transformer"]] + [[f"layers.{i}"] for i in range(5)]
 
-    # the counts are the regions' pass reports, summed over both buckets
-    encoder = cached_compiles.report(EncoderRegion(tiny), passes.available())
-    decoder = cached_compiles.report(DecoderRegion(tiny), passes.available())
-    assert r["counts"] == r["report"]["counts"]
-    assert r["counts"] == {name: encoder.counts()[name] + decoder.counts()[name] for name in r["counts"]}
-    # per bucket: layers 0..2 (encoder) and 3..4 (decoder), their seams, gates and attentions and
-    # the head's collapse (`step_counts`, which the README's sample of tiny's 12 layers follows too)
-    per_bucket = step_counts(tiny.cfg)
-    assert per_bucket == ({"mega_mhc": 6, "mega_gate": 3, "mega_attention": 3},
-                          {"mega_mhc": 5, "mega_gate": 2, "mega_attention": 2})
-    assert encoder.counts() == {name: 2 * n for name, n in per_bucket[0].items()}
-    assert decoder.counts() == {name: 2 * n for name, n in per_bucket[1].items()}
-    for name, count in r["counts"].items():
+    # the counts are per step: the layers' seams, gates and attentions and the head's collapse
+    # (`step_counts`, which the README's sample of tiny's 12 layers follows too)
+    encoder, decoder = step_counts(tiny.cfg)
+    assert (encoder, decoder) == ({"mega_mhc": 6, "mega_gate": 3, "mega_attention": 3},
+                                  {"mega_mhc": 5, "mega_gate": 2, "mega_attention": 2})
+    assert r["counts"] == r["report"]["counts"] == {name: encoder[name] + decoder[name] for name in r["counts"]}
+    for name, count in r["counts"].items():  # one match per graph, each graph run by one layer here
         assert len(r["report"]["per_pass"][name]["matches"]) == count
 
     comparison = r["comparison"]
@@ -74,7 +74,7 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_c
         assert timing[side]["ttft_s"] > 0 and timing[side]["tokens_per_s"] > 0
     captured = capsys.readouterr()
     printed = captured.out + captured.err  # results on stdout, progress ("compiling ...") on stderr
-    for words in ("megafuse passes", "compiled vs eager logits", "step 2", "TTFT", "PASS", "compiling the step's 2 regions"):
+    for words in ("megafuse passes", "compiled vs eager logits", "step 2", "TTFT", "PASS", "compiling each kind of layer"):
         assert words in printed
     # the README's sample of `make run` (the same tool on tiny's 12 layers): the form of its verdict line
     verdict = r"PASS: max \|logits error\| \S+ <= tolerance \S+; top-1 agreement 100\.0% over \d+ positions; exit status 0"
@@ -83,8 +83,8 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, cached_c
         assert re.search(rf"│ {name}\s+│ {r['counts'][name]}\s+│ 0\s+│", captured.out), name
 
 
-def test_run_exit_status_follows_the_tolerance(cached_compiles, tiny_config, capsys):
-    # prompt 6, no decode: the prefill bucket compiled above (no new compile)
+def test_run_exit_status_follows_the_tolerance(tiny_config, capsys):
+    # prompt 6, no decode: the graphs compiled above, from Inductor's cache
     status = main(["run", "--config", tiny_config, "--prompt-len", "6", "--decode", "0", "--tolerance", "0", "--json", "-"])
     captured = capsys.readouterr()
     r = json.loads(captured.out)  # JSON alone on stdout, the tables went to stderr
@@ -95,15 +95,16 @@ def test_run_exit_status_follows_the_tolerance(cached_compiles, tiny_config, cap
     assert ("FAIL" if exceeded else "PASS") in captured.err
 
 
-def test_run_takes_a_config_json_or_a_checkpoint_directory(tmp_path, cached_compiles, tiny, capsys):
+def test_run_takes_a_config_json_or_a_checkpoint_directory(tmp_path, tiny, capsys):
     from megafuse.model.checkpoint import save_checkpoint
 
     (tmp_path / "tiny.json").write_text(json.dumps(tiny.cfg.to_dict()))
     checkpoint = save_checkpoint(tiny, tmp_path / "checkpoint")
     for source in (tmp_path / "tiny.json", checkpoint):
-        # same weights as the cached tiny compile (6-row prefill bucket, all passes): no new compile
         assert main(["run", "--config", str(source), "--prompt-len", "6", "--decode", "0", "--json", "-"]) == 0
         r = json.loads(capsys.readouterr().out)
         assert r["config"] == "tiny" and r["comparison"]["passed"]
-        assert r["counts"] == CompileReport.combined(cached_compiles.report(EncoderRegion(tiny), passes.available()),
-                                                     cached_compiles.report(DecoderRegion(tiny), passes.available())).counts()
+        encoder, decoder = step_counts(tiny.cfg)
+        assert r["counts"] == {name: encoder[name] + decoder[name] for name in r["counts"]}
+    # the second run (the checkpoint, same kinds of layer) compiled nothing: a warm start
+    assert r["graph"]["graphs_from_cache"] == r["graph"]["graphs_compiled"] == 6
