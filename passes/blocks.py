@@ -78,7 +78,10 @@ class BlockCompiler:
         compiled = self._compiled.get(function)
         if compiled is None:
             compiled = torch.compile(function, backend=self.backend, **self.torch_compile_kwargs)
-            self._compiled[function], self._signatures[function] = compiled, inspect.signature(function)
+            # the code Dynamo runs is `function`'s own, a decorator's wrapper included: its parameters
+            # are the frame's locals, not those of the function it wraps
+            self._compiled[function] = compiled
+            self._signatures[function] = inspect.signature(function, follow_wrapped=False)
         if self.mark_dynamic is not None:
             self.mark_dynamic(function, args)
         graphs = self.report.graphs

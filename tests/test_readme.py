@@ -25,7 +25,7 @@ def printed_claims(block: str) -> list[str]:
 
 
 def make_run_sample() -> str:
-    """The README's sample output of `make run` (`megafuse run --config tiny`)."""
+    """The README's sample output of `make run` (`megafuse run --config tiny --decode 4`)."""
     return README.read_text().split("$ make run", 1)[1].split("```", 1)[0]
 
 

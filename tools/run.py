@@ -70,7 +70,7 @@ from .common import Stopwatch, compare_logits, median, merge_metrics, step
 from .output import console, environment, tables_to_stderr, write_json
 
 EXAMPLES = """examples:
-  megafuse run --config tiny                          # all passes, 8-token prompt, 8 decode steps (make run)
+  megafuse run --config tiny --decode 4               # all passes, 8-token prompt, 4 decode steps (make run)
   megafuse run --config tiny --passes none            # plain Inductor against eager
   megafuse run --config tiny --no-mega-mhc --decode 4 --json run.json
   megafuse run --config tiny --quant none --tolerance 1e-4

@@ -95,11 +95,12 @@ def test_block_compile_needs_a_module_list_and_says_so():
         passes.compile(RoutedLayer(0), passes=["mega_gate"], blocks=True)
 
 
-def test_hf_deepseek_v4_layers_compile_once_per_kind_and_fuse_as_the_whole_graph_does():
+def test_hf_deepseek_v4_layers_compile_once_per_kind_and_the_report_says_what_the_boundary_costs():
     """HF's layers end with their FFN's hc_post, so under blocks=True a seam's post lies in the
     layer before: each seam still fuses (coefficients, collapse, norm), the post stays outside.
-    The counts equal the whole-graph compile's; the hash-routed and the learned-router layers are
-    the two kinds."""
+    HF builds the attention mask once, in the model: inside a block it is an input whose values the
+    pass cannot see, so attention stays unfused, with the reason. The hash-routed and the
+    learned-router layers are the two kinds."""
     from tests.passes.test_mega_gate_models import _hf_model
 
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -111,8 +112,10 @@ def test_hf_deepseek_v4_layers_compile_once_per_kind_and_fuse_as_the_whole_graph
     fused = passes.compile(model, passes="all", blocks=True)
     got = fused(ids, use_cache=False).logits
     n_layers = model.config.num_hidden_layers
-    assert fused.report.counts() == whole.report.counts()
-    assert fused.report.counts()["mega_mhc"] == 2 * n_layers
+    assert whole.report.counts() == {"mega_mhc": 2 * n_layers, "mega_gate": 2, "mega_attention": n_layers}
+    assert fused.report.counts() == {"mega_mhc": 2 * n_layers, "mega_gate": 2, "mega_attention": 0}
+    assert {r.reason for r in fused.report.rejections("mega_attention")} == {
+        "the scores are not masked: neither where(~valid, -inf, s) nor s + where(valid, 0, -inf)"}
     assert sorted(g.blocks for g in fused.report.graphs) == [[f"model.layers.{i}" for i in range(2)],
                                                             [f"model.layers.{i}" for i in range(2, n_layers)]]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

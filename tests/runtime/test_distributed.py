@@ -27,8 +27,15 @@ NEW_TOKENS = [6, 2, 4, 5, 3]
 EXACT = dict(swa_bounded_replay=False, trim_decoder=False)
 
 
-def _model(world: int = 1, rank: int = 0):
-    model = build_model(preset("tiny").replace(quant="none", dtype="float32"), seed=0)
+TINY = preset("tiny").replace(quant="none", dtype="float32")
+# tiny's kinds of layer at 4 layers (SWA-only, Engram + compressor, the decoder KV source,
+# reindex): what each rank compiles in the compiled test, a third of tiny's kinds
+SHALLOW = TINY.replace(n_layers=4, compress_ratios=(0, 2, 1, 1), kv_source_layers=(1, 2),
+                       index_source_layers=(1, 2, 3), engram_layers=(1,))
+
+
+def _model(world: int = 1, rank: int = 0, cfg=TINY):
+    model = build_model(cfg, seed=0)
     return shard_experts(model, rank, world) if world > 1 else model
 
 
@@ -37,8 +44,8 @@ def _engine(model, passes=None) -> Engine:
     return Engine(model, layout=layout, token_budget=24, passes=passes, keep_logits=True, **EXACT)
 
 
-def _serve(rank: int, world: int, passes=None, kill_rank_at_step: int | None = None) -> dict:
-    engine = _engine(_model(world, rank), passes)
+def _serve(rank: int, world: int, passes=None, kill_rank_at_step: int | None = None, cfg=TINY) -> dict:
+    engine = _engine(_model(world, rank, cfg), passes)
     router = SessionRouter(world)
     ids = {i: engine.add_request(p, n) for i, (p, n) in enumerate(zip(PROMPTS, NEW_TOKENS))
            if router.route(i, len(p) + n) == rank}
@@ -56,8 +63,8 @@ def _serve(rank: int, world: int, passes=None, kill_rank_at_step: int | None = N
             "counts": engine.step_runner.report().counts() if engine.step_runner else None}
 
 
-def _one_engine() -> Engine:
-    engine = _engine(_model())
+def _one_engine(cfg=TINY) -> Engine:
+    engine = _engine(_model(cfg=cfg))
     for p, n in zip(PROMPTS, NEW_TOKENS):
         engine.add_request(p, n)
     while engine.waiting or engine.running:
@@ -83,8 +90,8 @@ def test_two_gloo_ranks_return_the_single_process_engines_tokens():
 def test_two_gloo_ranks_run_the_compiled_step_with_the_passes():
     """Each rank compiles its own regions (the exchange an opaque op in them): the passes fire at
     every layer as on one process, and the logits follow the single-process eager engine's."""
-    ranks = launch(_serve, 2, ("all",), timeout_s=900)
-    one = _one_engine()
+    ranks = launch(_serve, 2, ("all", None, SHALLOW), timeout_s=900)
+    one = _one_engine(SHALLOW)
     cfg = one.cfg
     for r in ranks:
         assert r["counts"] == {"mega_mhc": 2 * cfg.n_layers + 1, "mega_gate": cfg.n_layers,
