@@ -31,7 +31,8 @@ JSON (`--json PATH`), schema "megafuse.bench_serve/2":
     step            {mode: "compiled" | "eager", buckets: [int] | null}
     prefill_probe   {tokens, steps, trim_ttft_s, no_trim_ttft_s, trim_speedup}   (with --prefill-probe)
     steps           {"passes" | "no-passes": {passes: [str], counts: {pass: matches},
-                     graphs: {buckets, first_run_s, graphs, captures, capture_s, graph_bytes}}}   (compiled)
+                     graphs: {buckets, first_run_s, graphs, graphs_from_cache, compile_s, captures,
+                             capture_s, graph_bytes}}}   (compiled)
     configurations  {name: {engine: {...flags}, ttft_s: {p50, p90, p99}, tpot_s: {p50, p90},
                      tokens_per_s_per_user: {p50}, tokens_per_s_per_gpu, requests, output_tokens,
                      makespan_s, prefix_hit_rate, stats: {EngineStats}, ttft_all_s: [float]}}
@@ -264,7 +265,8 @@ def main(args: argparse.Namespace) -> int:
     for kind, step in result["steps"].items():
         g = step["graphs"]
         console.print(f"compiled step ({kind}: {', '.join(step['passes']) or 'plain torch.compile'}): {g['graphs']} "
-                      f"region graphs compiled, {g['buckets']} buckets first run in {g['first_run_s']:.1f} s, "
+                      f"graphs (one per kind of layer and the head; {g['graphs_from_cache']} from Inductor's cache, "
+                      f"{g['compile_s']:.1f} s compiling), {g['buckets']} buckets first run in {g['first_run_s']:.1f} s, "
                       f"{g['captures']} captured in {g['capture_s']:.1f} s "
                       f"({g['graph_bytes'] / 2**30:.2f} GiB of graph memory); matches {step['counts']}")
     if probe:

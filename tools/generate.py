@@ -20,7 +20,8 @@ JSON (`--json PATH`, '-' for stdout), schema "megafuse.generate/3":
     engine          {prefix_cache, swa_bounded_replay, trim_decoder: bool, token_budget: int,
                      cache: {slots, pages, page_size, max_pages}, step: "compiled" | "eager",
                      passes: [str] | null, cuda_graphs: bool, buckets: [int] | null,
-                     graphs: {buckets, first_run_s, graphs, captures, capture_s, graph_bytes} | null,
+                     graphs: {buckets, first_run_s, graphs, graphs_from_cache, compile_s, captures, capture_s,
+                             graph_bytes} | null,
                      counts: {pass: matches} | null}      (null: the eager step)
     sampling        {temperature, top_p, seed}
     requests        [{prompt_len: int, output: [int]}]
