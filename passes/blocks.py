@@ -2,7 +2,7 @@
 passed over and lowered one time, and every layer of that kind runs the same compiled graph with
 its own weights.
 
-    blocks = BlockCompiler(PassManager("all"), names={id(m): name for name, m in model.named_modules()})
+    blocks = passes.block_compiler("all", names={id(m): name for name, m in model.named_modules()})
     out = blocks(Block.step, model.layers[3], *args)     # torch.compile(Block.step), called with the layer
 
 Why it holds: `torch.compile(function)` keeps its graphs on the function's code, each behind the
@@ -20,7 +20,9 @@ blocks cannot fuse whole. The model's layers end before the mHC post of their FF
 the previous layer's (model/mhc.py `Residual`), so its seams stay inside one block. A model whose
 seams straddle the boundary (HF's DeepseekV4: each layer ends with its FFN's post) keeps each
 seam's post outside the fused op: one unfused elementwise kernel per layer, which re-reads the
-streams the fused seam would have read once. `passes.compile(..., blocks=False)` compiles the
+streams the fused seam would have read once. A value built outside the blocks reaches them as an
+input the passes cannot read: HF's attention mask, so its attention stays unfused (the report
+says "the scores are not masked"). `passes.compile(..., blocks=False)`, the default, compiles the
 whole module as one graph instead.
 
 Which graph ran which block is read from Dynamo's own cache: after a call, the first cache entry of
@@ -40,8 +42,9 @@ from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 from .manager import PassManager
 from .report import GraphReport
 
-# Kinds of layer (and, per pass selection, their static and dynamic-shape graphs) compiled from
-# one function: past Dynamo's default of 8 a block would silently fall back to eager.
+# Graphs one function may hold: its kinds of layer, for every pass selection a process compiles
+# (bench-serve compiles two). Dynamo's default of 8 would stop a deep model's kinds; past this
+# limit the compile fails (fail_on_recompile_limit_hit) rather than run a block eagerly.
 RECOMPILE_LIMIT = 256
 
 
