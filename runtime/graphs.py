@@ -34,8 +34,8 @@ head) are captured separately, the decoder's graph reading the encoder graph's s
 Padding rows write only the cache's scratch slot and page, so the capture itself (run on an
 all-padding batch) leaves every request's cache untouched. All graphs share one memory pool:
 they replay one at a time, and each step's logits are read before the next replay. The largest
-bucket is captured first, whatever bucket is asked for first: every later graph then fits in
-memory the pool already holds, so the pool costs about what the largest bucket costs.
+bucket is captured first, whatever bucket is asked for first, so that every later graph can reuse
+memory the pool already holds rather than grow it (`prepare`).
 """
 
 from __future__ import annotations
