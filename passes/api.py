@@ -53,7 +53,8 @@ def compile(module: nn.Module, passes="all", *, blocks: bool = False, pass_optio
     graph: children of one kind (class, structure, flags) share one compiled graph, so compile time
     no longer grows with depth (passes/blocks.py). The code outside the blocks runs eagerly, and a
     chain that crosses a block boundary cannot fuse whole: that module's docstring states the cost.
-    The children's `forward` is replaced in place, as `nn.Module.compile` does.
+    The children's `forward` is replaced in place, as `nn.Module.compile` does. Each block compiles
+    as one graph (fullgraph=True unless given).
     pass_options: {pass name: {option: value}}. dump_dir: write each graph before/after each pass.
     debug_nodes: FX node names whose matcher decisions are printed as they are made.
     Everything else goes to torch.compile (e.g. dynamic=True, fullgraph=True, mode=...).
@@ -69,6 +70,9 @@ def compile(module: nn.Module, passes="all", *, blocks: bool = False, pass_optio
     manager, inductor = _backend(passes, pass_options, dump_dir, debug_nodes, torch_compile_kwargs)
     if not blocks:
         return FusedModule(module, manager, torch.compile(module, backend=inductor, **torch_compile_kwargs))
+    # a graph break would leave part of a block in graphs of other frames, which the report cannot
+    # attribute to the layers that run them: a block is one graph, or an error naming the break
+    torch_compile_kwargs.setdefault("fullgraph", True)
     compiler = BlockCompiler(manager, inductor, names={id(m): name for name, m in module.named_modules()},
                              **torch_compile_kwargs)
     for child in repeated_blocks(module):
