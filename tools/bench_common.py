@@ -146,3 +146,22 @@ class Stages:
             self.log(tb)
             self.results["stages"][name] = {"ok": False, "seconds": round(time.time() - t0, 1), "error": tb[-2000:]}
         self.save()
+
+
+def synthetic_decode_batch(cfg, layout, batch: int, context: int, device):
+    """A decode step of `batch` requests, each holding `context` tokens it never prefilled: its
+    pages hold zero bytes (cache rows decode to 0.0, every index score ties and the top-k picks the
+    first entries), so the step reads and computes what a real context of that length costs. One
+    request per slot, on its own pages; padded to max(batch, 2) rows (buckets hold at least 2)."""
+    from megafuse.model import Sequence, build_step, page_table
+
+    g = torch.Generator().manual_seed(batch)
+    sequences = []
+    for slot in range(batch):
+        seq = Sequence(slot, torch.randint(0, cfg.vocab_size, (context + 1,), generator=g).tolist(), cfg.window,
+                       pages=list(range(slot * layout.max_pages, (slot + 1) * layout.max_pages)))
+        seq.done, seq.prefilled = context, True
+        sequences.append(seq)
+    rows = max(batch, 2)
+    return build_step(cfg, layout, [s.chunk(1, True, True) for s in sequences], page_table(layout, sequences),
+                      rows, rows, device)

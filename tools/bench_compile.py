@@ -35,9 +35,9 @@ import time
 
 import torch
 
-from megafuse.model import CacheLayout, Sequence, build_model, build_step, page_table, resolve_config
+from megafuse.model import CacheLayout, build_model, resolve_config
 from megafuse.runtime.graphs import CompiledStep, default_buckets
-from megafuse.tools.bench_common import require_cuda
+from megafuse.tools.bench_common import require_cuda, synthetic_decode_batch
 from megafuse.tools.common import add_pass_arguments, median, positive_ints, selected_passes
 from megafuse.tools.output import environment
 
@@ -152,24 +152,13 @@ def run_phase(args) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def batch_of(B: int):
-        g = torch.Generator().manual_seed(B)
-        sequences = []
-        for slot in range(B):
-            seq = Sequence(slot, torch.randint(0, cfg.vocab_size, (C + 1,), generator=g).tolist(), cfg.window,
-                           pages=list(range(slot * layout.max_pages, (slot + 1) * layout.max_pages)))
-            seq.done, seq.prefilled = C, True  # the synthetic context (module docstring)
-            sequences.append(seq)
-        bucket = max(B, 2)
-        return build_step(cfg, layout, [s.chunk(1, True, True) for s in sequences], page_table(layout, sequences),
-                          bucket, bucket, device)
 
     with torch.no_grad():
         model = build_model(cfg, seed=0, device=device)
         buckets = tuple(sorted(set(default_buckets(args.token_budget)) | {max(B, 2) for B in args.batches}))
         step = CompiledStep(model, layout=layout, buckets=buckets, passes=selected_passes(args),
                             blocks=args.phase == "blocks")
-        batches = {B: batch_of(B) for B in args.batches}
+        batches = {B: synthetic_decode_batch(cfg, layout, B, C, device) for B in args.batches}
         first = batches[args.batches[0]]
         sync()
         start = time.perf_counter()

@@ -42,9 +42,9 @@ import time
 
 import torch
 
-from megafuse.model import CacheLayout, Sequence, build_model, build_step, page_table, resolve_config
+from megafuse.model import CacheLayout, build_model, resolve_config
 from megafuse.runtime.graphs import CompiledStep
-from megafuse.tools.bench_common import Stages, default_out, require_cuda
+from megafuse.tools.bench_common import Stages, default_out, require_cuda, synthetic_decode_batch
 from megafuse.tools.common import add_pass_arguments, count_kernels, median, positive_ints, selected_passes
 from megafuse.tools.output import environment
 
@@ -94,16 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
 
     def batch_of(B: int):
-        g = torch.Generator().manual_seed(B)
-        sequences = []
-        for slot in range(B):
-            seq = Sequence(slot, torch.randint(0, cfg.vocab_size, (C + 1,), generator=g).tolist(), cfg.window,
-                           pages=list(range(slot * layout.max_pages, (slot + 1) * layout.max_pages)))
-            seq.done, seq.prefilled = C, True  # the synthetic context (module docstring)
-            sequences.append(seq)
-        chunks = [s.chunk(1, True, True) for s in sequences]
-        bucket = max(B, 2)
-        return build_step(cfg, layout, chunks, page_table(layout, sequences), bucket, bucket, device)
+        return synthetic_decode_batch(cfg, layout, B, C, device)
 
     def timed(step: CompiledStep, batch) -> float:
         times = []
