@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 import time
 import traceback
@@ -165,3 +166,24 @@ def synthetic_decode_batch(cfg, layout, batch: int, context: int, device):
     rows = max(batch, 2)
     return build_step(cfg, layout, [s.chunk(1, True, True) for s in sequences], page_table(layout, sequences),
                       rows, rows, device)
+
+
+def step_wall_time(step, batch, repeat: int, warmup: int = 3) -> float:
+    """Median wall time of `step(batch, step.cache)` to a synchronised result (the host's launch
+    cost counts: that is what CUDA graphs remove), after `warmup` untimed calls (the first calls
+    after a compile or capture run slower)."""
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    times = []
+    with torch.no_grad():
+        for _ in range(warmup):
+            step(batch, step.cache)
+        for _ in range(repeat):
+            sync()
+            start = time.perf_counter()
+            step(batch, step.cache)
+            sync()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)

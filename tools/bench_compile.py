@@ -37,8 +37,8 @@ import torch
 
 from megafuse.model import CacheLayout, build_model, resolve_config
 from megafuse.runtime.graphs import CompiledStep, default_buckets
-from megafuse.tools.bench_common import require_cuda, synthetic_decode_batch
-from megafuse.tools.common import add_pass_arguments, median, positive_ints, selected_passes
+from megafuse.tools.bench_common import require_cuda, step_wall_time, synthetic_decode_batch
+from megafuse.tools.common import add_pass_arguments, positive_ints, selected_passes
 from megafuse.tools.output import environment
 
 PAGE_SIZE = 64
@@ -180,7 +180,8 @@ def run_phase(args) -> dict:
         result["first_runs_s"] = round(step.stats.first_run_s, 2)  # every bucket the batches needed
         if device.type == "cuda":
             step.cuda_graphs = True
-            result["graphs_step_s"] = {str(B): timed(step, batch, args.repeat, sync) for B, batch in batches.items()}
+            result["graphs_step_s"] = {str(B): step_wall_time(step, batch, args.repeat, WARMUP)
+                                       for B, batch in batches.items()}
             step.prepare([(size, size) for size in buckets])  # every decode bucket of the budget
             result.update(captures=step.stats.captures, capture_s=round(step.stats.capture_s, 2),
                           graph_bytes=step.stats.graph_bytes, graph_gib=round(step.stats.graph_bytes / 2 ** 30, 3))
@@ -194,17 +195,6 @@ def fresh(step: CompiledStep, batch, run=None):
     return (run or step)(batch, step.cache)
 
 
-def timed(step: CompiledStep, batch, repeat: int, sync) -> float:
-    for _ in range(WARMUP):
-        step(batch, step.cache)
-    times = []
-    for _ in range(repeat):
-        sync()
-        start = time.perf_counter()
-        step(batch, step.cache)
-        sync()
-        times.append(time.perf_counter() - start)
-    return median(times)
 
 
 if __name__ == "__main__":

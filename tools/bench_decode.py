@@ -44,8 +44,8 @@ import torch
 
 from megafuse.model import CacheLayout, build_model, resolve_config
 from megafuse.runtime.graphs import CompiledStep
-from megafuse.tools.bench_common import Stages, default_out, require_cuda, synthetic_decode_batch
-from megafuse.tools.common import add_pass_arguments, count_kernels, median, positive_ints, selected_passes
+from megafuse.tools.bench_common import Stages, default_out, require_cuda, step_wall_time, synthetic_decode_batch
+from megafuse.tools.common import add_pass_arguments, count_kernels, positive_ints, selected_passes
 from megafuse.tools.output import environment
 
 PAGE_SIZE = 64
@@ -97,17 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return synthetic_decode_batch(cfg, layout, B, C, device)
 
     def timed(step: CompiledStep, batch) -> float:
-        times = []
-        with torch.no_grad():
-            for _ in range(WARMUP):  # untimed: the first calls after a compile or capture run slower
-                step(batch, step.cache)
-            for _ in range(args.repeat):
-                sync()
-                start = time.perf_counter()
-                step(batch, step.cache)
-                sync()
-                times.append(time.perf_counter() - start)
-        return median(times)
+        return step_wall_time(step, batch, args.repeat, WARMUP)
 
     def step_for(passes: str | list[str]) -> CompiledStep:
         """One compiled step per pass set, shared by the batch sizes: its regions take the row count as a
