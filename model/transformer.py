@@ -141,20 +141,19 @@ class Transformer(nn.Module):
             streams, pre = block(streams, pre, ids, positions, shared)
         return self.logits(Residual(streams), pre)
 
-    def _selection(self, layer: int, shared: dict) -> Selection:
-        """What layer `layer` reads of the top-k and candidates published so far (`shared[layer]`)."""
-        cfg = self.cfg
-        if cfg.compress_ratios[layer] == 0:
+    def _selection(self, block: Block, shared: dict) -> Selection:
+        """What `block` reads of the top-k and candidates published so far (`shared[layer]`)."""
+        attn, cfg = block.attn, self.cfg
+        if attn.role == "swa":
             return Selection()
-        own = cfg.role(layer) in ("full", "reindex")  # it runs an indexer of its own
-        return Selection(None if own else shared[cfg.topk_source(layer)]["topk"],
-                         shared[cfg.candidate_source_layer]["candidates"] if cfg.uses_candidates(layer) else None)
+        return Selection(None if attn.indexer is not None else shared[cfg.topk_source(block.layer)]["topk"],
+                         shared[cfg.candidate_source_layer]["candidates"] if attn.uses_candidates else None)
 
     def _layer(self, run, function, block: Block, residual, pre, rows, cache: KVCache, shared: dict):
         """Run `function` (Block.step or Block.step_trimmed) of `block` through `run`; its index's
         pools and selection are resolved here, outside the layer, and what it publishes is kept."""
         residual, pre, published = run(function, block, residual, pre, *rows, cache.layer(self.cfg, block.layer),
-                                       self._selection(block.layer, shared))
+                                       self._selection(block, shared))
         if published:
             shared[block.layer] = published
         return residual, pre

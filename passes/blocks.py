@@ -28,7 +28,10 @@ whole module as one graph instead.
 Which graph ran which block is read from Dynamo's own cache: after a call, the first cache entry of
 the function whose guards accept the call's arguments is the one that ran (`_served_by`), and
 each graph's report names the blocks it served (`GraphReport.blocks`), so `CompileReport.counts()`
-counts a fused site once per layer that runs it.
+counts a fused site once per layer that runs it. The guards are checked only when a graph was
+compiled since the block was last attributed (no new entry, no new answer), which keeps them off
+the hot path; a block whose calls alternate between static-shape graphs of one kind stays
+attributed to the graph it ran when the newest graph was compiled.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class BlockCompiler:
         if mark_dynamic is not None:
             self._config["automatic_dynamic_shapes"] = False
         self._latest: dict[str, list[GraphReport]] = {}  # block name -> the graphs its latest call ran
+        self._attributed_at: dict[str, int] = {}  # block name -> graphs compiled when it was attributed
         self.torch_compile_kwargs = torch_compile_kwargs
         self.compile_s = 0.0  # wall time of the calls that compiled a graph (cold or from the caches)
         self._compiled: dict = {}  # function -> its torch.compile
@@ -94,6 +98,9 @@ class BlockCompiler:
         if len(graphs) > before:
             self.compile_s += time.perf_counter() - start
         name = self.names.get(id(module)) or type(module).__name__  # the root module is named ""
+        if self._attributed_at.get(name) == len(graphs):
+            return out  # no graph compiled since: the entry that ran it before ran it again
+        self._attributed_at[name] = len(graphs)
         served = self._served_by(function, module, args, kwargs)
         if list(map(id, served)) != list(map(id, self._latest.get(name, []))):
             for graph in self._latest.get(name, []):
