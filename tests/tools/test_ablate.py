@@ -1,4 +1,5 @@
-"""`megafuse ablate` on tiny's roles (one SWA block, to keep eight compiles cheap): one row per configuration,
+"""`megafuse ablate` on tiny's roles (one SWA block and two swept passes, to keep the four compiles cheap):
+one row per configuration (with two passes "only a" is "all but b"),
 matches equal to each compile's pass report, profiler kernel counts that agree with them, a PNG."""
 
 import json
@@ -7,7 +8,6 @@ import matplotlib.image
 import pytest
 import torch
 
-from megafuse import passes
 from megafuse.tools import ablate
 from megafuse.tools.cli import main
 from megafuse.tools import common
@@ -27,20 +27,22 @@ def ablation(tmp_path_factory):
 def test_ablate_has_one_row_per_configuration_with_counts_from_the_report(ablation, cached_compiles, tiny, tiny_config,
                                                                          capsys):
     out, png = ablation / "ablate.json", ablation / "ablate.png"
-    argv = ["ablate", "--config", tiny_config, "--layer", "0", "--repeat", "1", "--json", str(out), "--png", str(png)]
+    swept = ["mega_mhc", "mega_gate"]  # registry order
+    argv = ["ablate", "--config", tiny_config, "--layer", "0", "--passes", ",".join(swept), "--repeat", "1",
+            "--json", str(out), "--png", str(png)]
     assert main(argv) == 0
     r = json.loads(out.read_text())
     assert set(r) == ABLATE_KEYS and r["schema"] == "megafuse.ablate/1"
     for key in ABLATE_KEYS | ROW_KEYS:  # the schema is the one documented
         assert key in ablate.__doc__, key
-    swept = passes.available()
     assert r["passes"] == swept and r["target"] == "layer 0" and r["png"] == str(png)
 
     # one row per distinct configuration; every configuration name maps to exactly one row
     expected = {"none", "all", *(f"only {p}" for p in swept), *(f"all but {p}" for p in swept)}
     assert set(r["configurations"]) == expected
     rows = r["rows"]
-    assert len(rows) == len(ablate.configurations(swept)) == len({frozenset(row["passes"]) for row in rows})
+    assert len(rows) == len(ablate.configurations(swept)) == len({frozenset(row["passes"]) for row in rows}) == 4
+    assert r["configurations"]["only mega_gate"] == r["configurations"]["all but mega_mhc"]
     for name, index in r["configurations"].items():
         assert [i for i, row in enumerate(rows) if name in row["names"]] == [index]
 
