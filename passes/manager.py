@@ -14,6 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -22,6 +23,19 @@ from .report import CompileReport, GraphReport
 
 
 log = logging.getLogger("megafuse.passes")
+
+
+def graph_label(index: int) -> str:
+    """`graph <index> (<function>, frame <Dynamo compile id>)`: the index counts one report's graphs,
+    so two compiles (two blocks, two regions) each have a graph 0; the function and Dynamo's
+    compile id tell them apart in a log."""
+    context = torch._guards.TracingContext.try_get()
+    traced = context.get_traced_code() if context is not None else []
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    where = ", ".join(filter(None, [traced[0].co_qualname if traced else None,
+                                    f"frame {compile_id}" if compile_id is not None else None]))
+    return f"graph {index}" + (f" ({where})" if where else "")
+
 
 class PassManager(CustomGraphPass):
     def __init__(self, passes="all", *, options: dict | None = None, dump_dir: str | Path | None = None,
@@ -43,7 +57,7 @@ class PassManager(CustomGraphPass):
             self._dump(graph, index, fusion_pass.name, "before")
             pass_report = fusion_pass.run(graph)
             graph_report.passes.append(pass_report)
-            log.info("graph %d: %s: %d matched, %d rejected in %.2f s", index, fusion_pass.name,
+            log.info("%s: %s: %d matched, %d rejected in %.2f s", graph_label(index), fusion_pass.name,
                      len(pass_report.matches), len(pass_report.rejections), pass_report.time_s)
             self._dump(graph, index, fusion_pass.name, "after")
             for node in self.debug_nodes & set(pass_report.decisions):

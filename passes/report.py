@@ -7,6 +7,7 @@ the tools print. Tests assert exact counts from it ("one gate per MoE layer").
 
 from __future__ import annotations
 
+import io
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -146,6 +147,16 @@ class CompileReport:
         Each rejection, with its node, stays in `rejections` (and in the JSON)."""
         counts = Counter(_NODE_NAME.sub("<node>", r.reason) for r in self.rejections(pass_name))
         return sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+
+    def __rich__(self) -> Table:  # rich's print and console.print render the table
+        return self.table()
+
+    def __str__(self) -> str:
+        """The table as plain text, as `print(fused.report)` shows it."""
+        from rich.console import Console
+        console = Console(width=120, record=True, file=io.StringIO(), color_system=None)
+        console.print(self.table())
+        return console.export_text().rstrip("\n")
 
     def table(self) -> Table:
         cached = sum(g.cached for g in self.graphs)
