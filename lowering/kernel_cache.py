@@ -1,7 +1,7 @@
 """A cache of generated kernel sources on disk, and the loader that turns a file into a kernel.
 
 Every generator in `lowering/` writes the Triton source it produced for a spec to one directory,
-so a user can read exactly what runs (ARCHITECTURE.md, rule 8) and a later process reuses it.
+so a user can read exactly what runs (`megafuse inspect` prints it; docs/compiling.md, "Warm starts") and a later process reuses it.
 
     directory   set_cache_dir(path)  >  $MEGAFUSE_KERNEL_CACHE  >  ~/.cache/megafuse/kernels
     file        <name>.py, where the caller makes <name> content-addressed (a hash of the spec and

@@ -14,7 +14,7 @@ template below, specialised for the spec (constants, scoring code, bias, renorm,
 the launcher writes it to the kernel cache (`kernel_cache.py`) and loads it for the tensors'
 device: compiled Triton for CUDA tensors, the Triton interpreter for CPU tensors, same source.
 
-Kernel design (H200; KERNELS.md "Mega-Gate")
+Kernel design (H200; docs/mega_gate.md, "The kernel")
 ---------------------------------------------
 One launch, a 1-D grid of *jobs*:
 

@@ -1,4 +1,4 @@
-"""CSA2 attention: sliding window + compressed global KV chosen by a lightning indexer (MODEL.md section 4).
+"""CSA2 attention: sliding window + compressed global KV chosen by a lightning indexer (docs/model.md section 4).
 
 One layer, for the T new tokens at absolute `positions` (u = normalised sublayer input [B, T, D]):
 
@@ -141,7 +141,7 @@ class Compressor(nn.Module):
     ratio 1: latent_t = norm(wkv u_t).
     ratio 2: latent_j = norm(sum_{i in {2j, 2j+1}} softmax_i(wgate u_i) * (wkv u_i)), the softmax
     over the group's 2 tokens per channel; wkv and wgate are fp32 weights and both projections run
-    in fp32 (MODEL.md section 4).
+    in fp32 (docs/model.md section 4).
     """
 
     def __init__(self, cfg: ModelConfig, ratio: int, dtype: torch.dtype):

@@ -3,7 +3,7 @@
 A step runs N rows, the tokens of several requests laid end to end (each request's rows contiguous
 and in position order, no padding between requests); rows past the last request are padding up to
 the bucket size, write only the cache's scratch slot and page, and are never attended. The step
-runs in two regions (MODEL.md Decision 2):
+runs in two regions (docs/model.md Decision 2):
 
     encoder region   layers 0 .. L/2 on every row (layer L/2 writes the decoder's global KV)
     decoder region   layers > L/2 and the head on the decoder rows only: all rows, or only the last
@@ -15,7 +15,7 @@ of the same bucket sizes. `build_step` makes a StepBatch from `Chunk`s; `Sequenc
 per-request bookkeeping the tests and `megafuse run` use to drive the model (the runtime's planner
 does the same with a page pool and a prefix cache).
 
-Visibility (MODEL.md sections 4 and 8): a row at position p sees the SWA rows of positions
+Visibility (docs/model.md sections 4 and 8): a row at position p sees the SWA rows of positions
 `max(swa_floor, p - W + 1) .. p`; in the encoder region `swa_floor` is the replay start (tokens
 before it were not recomputed, so their SWA rows do not exist), in the decoder region the first
 position the decoder layers ran on. Rows below `cached` are replayed: their global KV, index keys

@@ -1,4 +1,4 @@
-"""Engram: hashed n-gram memory injected into the mHC residual streams (MODEL.md section 7).
+"""Engram: hashed n-gram memory injected into the mHC residual streams (docs/model.md section 7).
 
 An Engram layer looks up rows of a large embedding table addressed by hashes of the last few token
 ids, turns them into one key per residual stream and one shared value, and adds the value to every

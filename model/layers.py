@@ -34,7 +34,7 @@ def weight(shape: tuple[int, ...], fan_in: int, dtype: torch.dtype) -> nn.Parame
 class Linear(nn.Linear):
     """A bias-free linear layer; an FP8 GEMM of the released model when `mxfp8_input`: under
     quant="ref" its input is rounded through MXFP8 (e4m3, ue8m0 per 32 along K) first, as the FP8
-    GEMM reads it (MODEL.md Decision 5). The weight itself stays in the model dtype."""
+    GEMM reads it (docs/model.md Decision 5). The weight itself stays in the model dtype."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, mxfp8_input: bool = False):
         super().__init__(in_features, out_features, bias=False, dtype=dtype)

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC), single-pass V4.1 form (MODEL.md section 3).
+"""Manifold-constrained hyper-connections (mHC), single-pass V4.1 form (docs/model.md section 3).
 
 The residual is n = hc_mult streams X [.., n, D]. Each sublayer site s owns `fn_s [(2+n)n, nD]`,
 `base_s [(2+n)n]` and `scale_s [3]` (all fp32), from which it derives, per token:

@@ -1,4 +1,4 @@
-"""MoE: router (gate), routed experts in a fixed-shape dispatch, shared expert (MODEL.md section 5).
+"""MoE: router (gate), routed experts in a fixed-shape dispatch, shared expert (docs/model.md section 5).
 
     scores  = score_func(u_fp32 @ W_gate^T)                     [N, E]   sqrtsoftplus | sigmoid | softmax
     idx     = topk(scores + bias, k)                            the bias steers selection only
@@ -93,7 +93,7 @@ class Experts(nn.Module):
         super().__init__()
         E, D, F_ = cfg.n_experts, cfg.dim, cfg.expert_dim
         self.limit = cfg.swiglu_limit
-        # FP8 GEMMs: under quant="ref" both projections read MXFP8-rounded inputs (MODEL.md Decision 5)
+        # FP8 GEMMs: under quant="ref" both projections read MXFP8-rounded inputs (docs/model.md Decision 5)
         self.mxfp8_inputs = cfg.quant == "ref"
         self.w13 = weight((E, 2 * F_, D), D, dtype)  # [w1 | w3] rows, nn.Linear layout (out, in)
         self.w2 = weight((E, D, F_), F_, dtype)

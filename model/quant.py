@@ -1,7 +1,7 @@
 """Reference quantisation formats: the one place where each format's rounding lives.
 
 The model's fake quantisation (`quant="ref"`), the runtime's KV caches and the kernels' test
-references all call this module, so a rounding rule can never drift between them (MODEL.md s.6).
+references all call this module, so a rounding rule can never drift between them (docs/model.md section 6).
 Every format is built the same way:
 
     quantize_<fmt>(x) -> (values, scales)     the core: values on the element grid, scales per block
@@ -48,7 +48,7 @@ E2M1_MAX = 6.0
 # e2m1 magnitudes indexed by their 3-bit code (a code's index is its bit pattern).
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-# SWA / MXFP8 amax floor from MODEL.md s.6: blocks quieter than 1e-4 all share scale 2^-22.
+# SWA / MXFP8 amax floor from docs/model.md section 6: blocks quieter than 1e-4 all share scale 2^-22.
 _FP8_AMAX_FLOOR = 1e-4
 # Global FP4 scale floor: the smallest e4m3 subnormal, so the rounded scale is never 0.
 _FP4_SCALE_MIN = 2.0**-9

@@ -1,4 +1,4 @@
-"""Interleaved partial RoPE with YaRN frequencies (MODEL.md section 4).
+"""Interleaved partial RoPE with YaRN frequencies (docs/model.md section 4).
 
 RoPE rotates the *last* `rope_dim` dims of a vector, in interleaved pairs (x[2i], x[2i+1]).
 Layers with compress ratio 0 use theta 10000 and plain frequencies; every rotation in a layer with

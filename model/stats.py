@@ -45,7 +45,7 @@ def device_parameter_bytes(cfg: ModelConfig, model: Transformer | None = None) -
 
 
 def global_kv_bytes_per_token(cfg: ModelConfig) -> float:
-    """Sum over kv sources of (FP4 entry + MXFP4 index key) / ratio (MODEL.md section 6)."""
+    """Sum over kv sources of (FP4 entry + MXFP4 index key) / ratio (docs/model.md section 6)."""
     per_entry = quant.row_bytes("global_fp4", cfg.head_dim) + quant.row_bytes("index_mxfp4", cfg.index_head_dim)
     return sum(per_entry / cfg.compress_ratios[s] for s in cfg.kv_source_layers)
 

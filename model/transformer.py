@@ -1,4 +1,4 @@
-"""The DeepSeek-V4.1-Flash model as a plain eager PyTorch module (MODEL.md section 2).
+"""The DeepSeek-V4.1-Flash model as a plain eager PyTorch module (docs/model.md section 2).
 
     ids [B, T] --embed--> e [B, T, D] --repeat--> X [B, T, n, D]         pre = one_hot(0)
     for each layer:  (Engram layers) X = Engram(X, ids);   X, pre = Block(X, pre)
@@ -18,7 +18,7 @@ Two ways to run it, over the same layers:
   rows mixing prefill chunks and decodes of different requests, reading and writing the byte cache
   (`model/cache.py`). It runs as two regions a runtime compiles and captures separately:
   `encoder_region` (layers 0..L/2 on every row) and `decoder_region` (layers > L/2 and the head on
-  the decoder rows: MODEL.md Decision 2). Logits come back for the decoder rows only.
+  the decoder rows: docs/model.md Decision 2). Logits come back for the decoder rows only.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Transformer(nn.Module):
 
     @property
     def decoder_start(self) -> int:
-        """The first layer of the decoder region (layers > L/2, MODEL.md Decision 2)."""
+        """The first layer of the decoder region (layers > L/2, docs/model.md Decision 2)."""
         return self.cfg.decoder_kv_layer + 1
 
     def _embed(self, ids: torch.Tensor):

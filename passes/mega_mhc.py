@@ -132,7 +132,7 @@ class MegaMhcPass(FusionPass):
     name = "mega_mhc"
     description = "mHC seam: previous post + coefficients (RMS, fn GEMM, sigmoid, Sinkhorn) + pre + RMSNorm in one kernel"
     op = "megafuse::mega_mhc"
-    run_order = 10  # ARCHITECTURE.md: mhc, then gate
+    run_order = 10  # the manager runs passes by ascending run_order: mhc, then gate, then attention
 
     def __init__(self, **options):
         super().__init__(**options)

@@ -8,7 +8,7 @@ region captured as a CUDA graph per padded bucket (piecewise CUDA graphs).
 The step owns the byte cache it runs on (`step.cache`, allocated for `layout`): a CUDA graph
 replays on the addresses it captured, so engines that share a step share its cache, one at a time.
 
-Static shapes per bucket (RUNTIME.md invariant 5): a step is padded to a bucket, the smallest
+Static shapes per bucket (docs/serving.md, invariant 5): a step is padded to a bucket, the smallest
 bucket size at least its row count, and its decoder rows to the smallest at least theirs; each
 (rows, decoder rows) pair is captured once. The compiled regions take the row counts as symbolic
 sizes (the batch's row tensors are marked dynamic), so one graph of each region serves every

@@ -8,7 +8,7 @@ A page is a block of `page_size` token positions in every kv source's pools at o
                   a cached page no request references sits in an LRU list and is evicted (its id
                   freed) only when the pool runs dry
 
-Invariants (RUNTIME.md):
+Invariants (docs/serving.md):
 - a page is published to the prefix cache only when full and written by the request that owns
   it; from then on nobody writes it (a request that hits it replays those positions with
   writes_global False, `model/batch.py`);

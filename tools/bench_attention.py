@@ -43,7 +43,7 @@ TOY = ma.AttentionSpec(heads=4, head_dim=64, rope_dim=16, scale=64 ** -0.5, key_
                        out_dtype="bfloat16", mxfp8=False, q_rope=True)
 TOY_KEYS = 100
 TOKENS = (1, 16, 64, 128, 512, 4096)
-BF16_TFLOPS = 660.0  # dense bf16 MMA, the H200's sustained rate (GPU.md)
+BF16_TFLOPS = 660.0  # dense bf16 MMA, the H200's sustained rate (docs/measuring.md, "Method")
 LAUNCH_FLOOR_US = 4.0
 TOLERANCE = 1e-2  # bf16 output: the chain rounds the same fp32 value
 TARGET_VS_COMPILE = {1: 4.0, 64: 10.0}

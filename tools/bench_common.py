@@ -12,7 +12,7 @@ import traceback
 
 import torch
 
-# H200 HBM3e bandwidth, the roofline's denominator (GPU.md)
+# H200 HBM3e bandwidth, the roofline's denominator (docs/measuring.md, "Method")
 HBM_BYTES_PER_S = 4.3e12
 
 

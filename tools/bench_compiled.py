@@ -4,7 +4,7 @@
     python3 -m megafuse.tools.bench_compiled --dry-run     # CPU: toy widths, the checks of 1. only, no timings
 
 The kernel benchmarks (tools.bench_mhc, tools.bench_gate) time a kernel on inputs they build. Here
-each chain is written as plain torch, the way a reader of MODEL.md writes it (V4.1 widths), and
+each chain is written as plain torch, the way a reader of docs/model.md writes it (V4.1 widths), and
 compiled three ways in one run: `passes.compile` (the megafuse passes), plain `torch.compile`
 (default mode) and eager. For each T in {1, 64, 512, 4096}:
 
@@ -50,7 +50,7 @@ EAGER_CALLS = 200
 
 
 class PlainSeam(nn.Module):
-    """The mHC seam (MODEL.md section 3) as plain torch: previous post, coefficients, collapse, norm."""
+    """The mHC seam (docs/model.md section 3) as plain torch: previous post, coefficients, collapse, norm."""
 
     def __init__(self, n: int, dim: int, iters: int = 20, eps: float = 1e-6):
         super().__init__()

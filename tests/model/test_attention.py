@@ -129,7 +129,7 @@ def test_rope_rotates_only_the_tail_in_interleaved_pairs_and_inverts():
 
 
 def test_ratio_2_compressor_projects_in_fp32_in_a_bf16_model():
-    # MODEL.md section 4: k = wkv(u), g = wgate(u) in fp32 for ratio 2; ratio 1 stays in the model dtype
+    # docs/model.md section 4: k = wkv(u), g = wgate(u) in fp32 for ratio 2; ratio 1 stays in the model dtype
     from megafuse.model.attention import Compressor
 
     cfg = preset("tiny").replace(dtype="bfloat16")

@@ -215,7 +215,7 @@ def test_positions_before_start_use_the_pad_id():
 # ---- gate and injection -----------------------------------------------------------------------
 
 def reference_gate(x, key, qk_w, eps):
-    """Straight from MODEL.md section 7, one (token, stream) vector at a time, in float64."""
+    """Straight from docs/model.md section 7, one (token, stream) vector at a time, in float64."""
     d = len(x)
     dot = sum(x[i] * qk_w[i] * key[i] for i in range(d))
     dot /= math.sqrt(sum(v * v for v in x) / d + eps)

@@ -8,7 +8,7 @@ from megafuse.model.mhc import HyperConnection, hc_post, hc_pre, mhc_coefficient
 
 
 def _sinkhorn_loops(logits, iters, eps):
-    """Independent scalar re-derivation of MODEL.md's truncation for one 4x4 matrix."""
+    """Independent scalar re-derivation of the Sinkhorn truncation of docs/model.md section 3 for one 4x4 matrix."""
     n = len(logits)
     c = [[0.0] * n for _ in range(n)]
     for i in range(n):

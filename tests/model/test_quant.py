@@ -1,4 +1,4 @@
-"""Specifications of the reference quantisation formats in model/quant.py (MODEL.md s.6).
+"""Specifications of the reference quantisation formats in model/quant.py (docs/model.md section 6).
 
 References here are built independently of the module: e2m1 rounding by brute force over the eight
 magnitudes in plain Python, scales read back from the encoded bytes with Python arithmetic, error
@@ -80,7 +80,7 @@ def test_row_bytes_match_the_kv_budget():
     assert row_bytes("swa_fp8", 512) == 528
     assert row_bytes("global_fp4", 512) == 288
     assert row_bytes("index_mxfp4", 128) == 68
-    # 890 B/token of global KV in MODEL.md s.6: 3 x (288 + 68) / 2 + (288 + 68).
+    # 890 B/token of global KV in docs/model.md section 6: 3 x (288 + 68) / 2 + (288 + 68).
     per_source = row_bytes("global_fp4", 512) + row_bytes("index_mxfp4", 128)
     assert 3 * per_source / 2 + per_source == 890
 

@@ -159,7 +159,7 @@ def test_decode_through_the_cache_matches_the_plain_forward_with_reference_quant
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-# ---- trimmed decoder (MODEL.md Decision 2) --------------------------------------------------------
+# ---- trimmed decoder (docs/model.md Decision 2) --------------------------------------------------------
 
 
 def _decoder_row_counts(model):
@@ -241,7 +241,7 @@ def test_decode_after_a_trimmed_prefill_sees_only_decoder_rows_that_exist(tiny_f
     assert all(torch.isfinite(run.logits[0][p]).all() for p in range(300, 304))
 
 
-# ---- replay (MODEL.md section 8) ------------------------------------------------------------------
+# ---- replay (docs/model.md section 8) ------------------------------------------------------------------
 
 
 def _copy_pages(cache, src: list[int], dst: list[int]):

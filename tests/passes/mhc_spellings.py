@@ -1,6 +1,6 @@
 """One mHC seam, written in any of many equivalent ways (and in a few that change its maths).
 
-`Spelling` is a set of discrete choices: how each step of the seam (MODEL.md section 3) is spelled
+`Spelling` is a set of discrete choices: how each step of the seam (docs/model.md section 3) is spelled
 in torch, the seam's form (which steps it has), the token count and the dtypes of the streams and
 of the parameters. `SpelledSeam(spelling)` is the module that computes it; every spelling without a
 `near_miss` computes the same function as `model.mhc` (up to fp rounding), so the Mega-mHC pass

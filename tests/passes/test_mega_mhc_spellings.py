@@ -144,7 +144,7 @@ EXTERNAL = Spelling(mix="transpose_matmul", gate="unsqueeze", post_add="mix_firs
 
 @pytest.mark.parametrize("T", [1, 3, 8])
 def test_the_external_spelling_fuses_whole_at_every_token_count(T):
-    # MODEL.md section 3 as a reader writes it (exp/seam_ext.py): C^T X by transpose and @, the
+    # docs/model.md section 3 as a reader writes it: C^T X by transpose and @, the
     # coefficients' parts by slicing, Sinkhorn as a loop. On the H200 this fused only post +
     # collapse (the sliced head unfused, no reason) and at T=1 nothing (Inductor drops size-1 dims).
     check_fused_whole(dataclasses.replace(EXTERNAL, T=T))
