@@ -32,10 +32,17 @@ Row formats follow the config's `quant` (MODEL.md section 6):
 
 so `decode(encode(x))` is exactly the value the plain forward uses in both modes: the fake-quant
 value under `ref`, x itself under `none`.
+
+Sizes: `pool_specs(cfg, page_size)` lists every pool once (what one slot or one page of it holds);
+`KVCache.allocate` builds the pools from it and `CacheLayout.for_budget` sizes a layout from it, so
+a layout's `nbytes` is what allocating it takes:
+
+    nbytes = (slots + 1) x bytes_per_slot + (pages + 1) x bytes_per_page      (+1: the scratch)
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -47,6 +54,10 @@ from .config import ModelConfig
 # Bytes per value of the raw (quant="none") row format, and the integer type of the same width
 # whose bits are split into bytes: same-size views only, which every backend traces.
 _RAW_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+# Token positions per page (a multiple of every compress ratio, 1 and 2): CacheLayout.private's default
+# and the runtime engine's default layout's.
+DEFAULT_PAGE_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,54 @@ def row_codec(cfg: ModelConfig, kind: str) -> RowCodec:
     return _raw_codec(dim, getattr(torch, cfg.dtype))
 
 
+class PoolSpec(NamedTuple):
+    """One pool of the cache: its kind, the layer it serves (its own for "swa", its kv source's for
+    the rest), what its first dimension counts ("slot" or "page") and the shape and dtype of one."""
+
+    kind: str
+    layer: int
+    unit: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def unit_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def pool_specs(cfg: ModelConfig, page_size: int) -> list[PoolSpec]:
+    """Every pool of `cfg`'s cache, swa by layer, then each kv source's (module docstring)."""
+    check_page_size(cfg, page_size)
+    swa_bytes = row_codec(cfg, "swa").row_bytes
+    kv_bytes, key_bytes = row_codec(cfg, "global_kv").row_bytes, row_codec(cfg, "index_keys").row_bytes
+    specs = [PoolSpec("swa", layer, "slot", (cfg.window, swa_bytes), torch.uint8) for layer in range(cfg.n_layers)]
+    for source in cfg.kv_source_layers:
+        ratio = cfg.compress_ratios[source]
+        specs += [PoolSpec("global_kv", source, "page", (page_size // ratio, kv_bytes), torch.uint8),
+                  PoolSpec("index_keys", source, "page", (page_size // ratio, key_bytes), torch.uint8)]
+        if ratio > 1:  # (k, gate) of a group's first token while its second has not arrived
+            specs.append(PoolSpec("compressor", source, "slot", (2, cfg.head_dim), torch.float32))
+    return specs
+
+
+def bytes_per_slot(cfg: ModelConfig) -> int:
+    """What one request slot holds: its SWA ring in every layer and its compressors' pending rows."""
+    return sum(p.unit_bytes for p in pool_specs(cfg, DEFAULT_PAGE_SIZE) if p.unit == "slot")
+
+
+def bytes_per_page(cfg: ModelConfig, page_size: int) -> int:
+    """What one page holds: `page_size` positions of every kv source's global KV and index keys."""
+    return sum(p.unit_bytes for p in pool_specs(cfg, page_size) if p.unit == "page")
+
+
+def check_page_size(cfg: ModelConfig, page_size: int) -> None:
+    """A page holds whole compressed entries of every kv source: page_size / ratio of each."""
+    ratios = sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layers})
+    if not isinstance(page_size, int) or page_size < 1 or any(page_size % r for r in ratios):
+        raise ValueError(f"CacheLayout.page_size={page_size!r} must be a positive multiple of every kv source's "
+                         f"compress ratio ({', '.join(map(str, ratios))})")
+
+
 @dataclass(frozen=True)
 class CacheLayout:
     """How much a cache holds: request slots, pages per pool, entries per page, page-table width."""
@@ -119,10 +178,32 @@ class CacheLayout:
                 raise ValueError(f"CacheLayout.{name} must be a positive int, got {value!r}")
 
     @classmethod
-    def private(cls, slots: int, tokens: int, page_size: int = 64) -> "CacheLayout":
+    def private(cls, slots: int, tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> "CacheLayout":
         """Room for `slots` requests of up to `tokens` positions each, every one on pages of its own."""
         max_pages = -(-tokens // page_size)
         return cls(slots=slots, pages=slots * max_pages, page_size=page_size, max_pages=max_pages)
+
+    @classmethod
+    def for_budget(cls, cfg: ModelConfig, budget_bytes: int, *, slots: int, max_tokens: int,
+                   page_size: int = DEFAULT_PAGE_SIZE) -> "CacheLayout":
+        """The most pages `budget_bytes` holds once `slots` request slots are taken, shared by the
+        requests (a page pool, as the engine runs one); one request addresses up to `max_tokens`
+        positions, or the whole pool where that is less. The scratch slot and page come out of the
+        budget too:
+
+            pages = (budget - (slots + 1) x bytes_per_slot - bytes_per_page) // bytes_per_page
+        """
+        for name, value in (("budget_bytes", budget_bytes), ("slots", slots), ("max_tokens", max_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"CacheLayout.for_budget: {name} must be a positive int, got {value!r}")
+        per_slot, per_page = bytes_per_slot(cfg), bytes_per_page(cfg, page_size)
+        fixed = (slots + 1) * per_slot + per_page
+        pages = (budget_bytes - fixed) // per_page
+        if pages < 1:
+            raise ValueError(f"a cache budget of {budget_bytes:,} bytes holds no page of {cfg.name}: {slots} slots "
+                             f"(+1 scratch) take {per_slot:,} bytes each, a page of {page_size} positions {per_page:,} "
+                             f"(+1 scratch page); the smallest budget is {fixed + per_page:,} bytes")
+        return cls(slots=slots, pages=pages, page_size=page_size, max_pages=min(pages, -(-max_tokens // page_size)))
 
     @property
     def scratch_slot(self) -> int:
@@ -138,10 +219,11 @@ class CacheLayout:
         return self.max_pages * self.page_size
 
     def check(self, cfg: ModelConfig) -> None:
-        ratios = sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layers})
-        if any(self.page_size % r for r in ratios):
-            raise ValueError(f"CacheLayout.page_size={self.page_size} must be a multiple of every kv source's "
-                             f"compress ratio ({', '.join(map(str, ratios))})")
+        check_page_size(cfg, self.page_size)
+
+    def nbytes(self, cfg: ModelConfig) -> int:
+        """Bytes `KVCache.allocate(cfg, self)` takes, scratch slot and page included."""
+        return (self.slots + 1) * bytes_per_slot(cfg) + (self.pages + 1) * bytes_per_page(cfg, self.page_size)
 
 
 class LayerCache(NamedTuple):
@@ -168,23 +250,13 @@ class KVCache:
     @classmethod
     def allocate(cls, cfg: ModelConfig, layout: CacheLayout, device: str | torch.device = "cpu") -> "KVCache":
         """Zeroed pools (zero bytes decode to 0.0 in every format)."""
-        layout.check(cfg)
-        swa_bytes = row_codec(cfg, "swa").row_bytes
-        kv_bytes, key_bytes = row_codec(cfg, "global_kv").row_bytes, row_codec(cfg, "index_keys").row_bytes
-        slots, pages = layout.slots + 1, layout.pages + 1
-
-        def zeros(*shape, dtype=torch.uint8):
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        sources = cfg.kv_source_layers
-        return cls(
-            layout=layout,
-            swa=[zeros(slots, cfg.window, swa_bytes) for _ in range(cfg.n_layers)],
-            global_kv={s: zeros(pages, layout.page_size // cfg.compress_ratios[s], kv_bytes) for s in sources},
-            index_keys={s: zeros(pages, layout.page_size // cfg.compress_ratios[s], key_bytes) for s in sources},
-            compressor={s: zeros(slots, 2, cfg.head_dim, dtype=torch.float32)
-                        for s in sources if cfg.compress_ratios[s] > 1},
-        )
+        units = {"slot": layout.slots + 1, "page": layout.pages + 1}  # + the scratch slot and page
+        pools: dict[str, dict[int, torch.Tensor]] = {"swa": {}, "global_kv": {}, "index_keys": {}, "compressor": {}}
+        for spec in pool_specs(cfg, layout.page_size):
+            pools[spec.kind][spec.layer] = torch.zeros((units[spec.unit], *spec.shape), dtype=spec.dtype,
+                                                       device=device)
+        return cls(layout=layout, swa=list(pools["swa"].values()), global_kv=pools["global_kv"],
+                   index_keys=pools["index_keys"], compressor=pools["compressor"])
 
     def layer(self, cfg: ModelConfig, layer: int) -> LayerCache:
         """The pools layer `layer` of `cfg` reads and writes."""

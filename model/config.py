@@ -168,6 +168,8 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
+        """The fields in our names without `extra` (what a checkpoint's config.json holds);
+        `config_from_dict` / `load_config` read it back to an equal config."""
         d = dataclasses.asdict(self)
         d.pop("extra")
         return d
@@ -415,7 +417,10 @@ def config_from_dict(data: dict, base: ModelConfig | None = None, name: str | No
     (checked: another value is an error), keys the model reads nothing from (the MTP and DSpark
     draft heads, the quantisation metadata, HF's bookkeeping) and, in `compress_ratios`, the MTP
     layers' entries after the model's own; those are named in `extra` {key: why ignored}. Any other
-    key is a ConfigError naming the closest valid names: never a silent fallback."""
+    key is a ConfigError naming the closest valid names: never a silent fallback.
+
+    Both saved forms load back to an equal config: `cfg.to_dict()` (what checkpoints write) and
+    `dataclasses.asdict(cfg)`, whose `extra` (the keys an HF config.json had ignored) is kept."""
     base = base or TINY
     label = name or data.get("name", "custom")
     hf = "hidden_size" in data
@@ -424,6 +429,11 @@ def config_from_dict(data: dict, base: ModelConfig | None = None, name: str | No
     for key, value in data.items():
         if key in ours:
             changes[key] = value
+        elif key == "extra":  # a saved config's own `extra` (dataclasses.asdict keeps it): carried over
+            if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+                raise ConfigError(f"config {label!r}: extra: must be an object {{key: why it was ignored}} of "
+                                  f"strings, got {value!r}")
+            ignored.update(value)
         elif not hf:
             unknown.append(key)
         elif key in HF_FIELD_NAMES:

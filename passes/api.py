@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import time
+import warnings
+import weakref
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .blocks import BlockCompiler
-from .manager import PassManager
+from .manager import PassManager, graph_label
 from .report import CompileReport, GraphReport
 from .torch_fixes import eager_roundings
 
@@ -46,7 +49,8 @@ class FusedModule(nn.Module):
 def compile(module: nn.Module, passes="all", *, blocks: bool = False, pass_options: dict | None = None,
             dump_dir=None, debug_nodes: list[str] | None = None, **torch_compile_kwargs) -> FusedModule:
     """torch.compile `module` for inference (the result runs under torch.no_grad(): FusedModule)
-    with megafuse's passes installed for this compile only.
+    with megafuse's passes installed for this compile only. A module in training mode compiles too,
+    with a UserWarning (once per module) that its outputs carry no grad.
 
     passes: "all", "none" (the plain Inductor baseline) or a list / comma-separated string of names.
     blocks: compile each child of the module's nn.ModuleLists as a block instead of the module as one
@@ -68,6 +72,7 @@ def compile(module: nn.Module, passes="all", *, blocks: bool = False, pass_optio
     exists only where the passes run.
     """
     manager, inductor = _backend(passes, pass_options, dump_dir, debug_nodes, torch_compile_kwargs)
+    _warn_if_training(module)
     if not blocks:
         return FusedModule(module, manager, torch.compile(module, backend=inductor, **torch_compile_kwargs))
     # a graph break would leave part of a block in graphs of other frames, which the report cannot
@@ -78,6 +83,29 @@ def compile(module: nn.Module, passes="all", *, blocks: bool = False, pass_optio
     for child in repeated_blocks(module):
         child.forward = functools.partial(compiler, type(child).forward, child)
     return FusedModule(module, manager, module)
+
+
+# Modules already warned about training mode: a module compiled again is not warned about again.
+_warned_training: weakref.WeakSet = weakref.WeakSet()
+
+
+def _in_training_mode(module: nn.Module) -> bool:
+    """Whether a module that holds weights (parameters or buffers of its own) is in training mode; a
+    wrapper that holds none (the runtime's EncoderRegion around an eval model) counts by what it wraps."""
+    holders = [m for m in module.modules()
+               if next(itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)), None) is not None]
+    return any(m.training for m in holders) if holders else module.training
+
+
+def _warn_if_training(module: nn.Module) -> None:
+    """A module left in training mode (nn.Module's default, or after .train()) compiles all the same,
+    but its outputs carry no grad, which nothing else would say: warn, once per module."""
+    if module in _warned_training or not _in_training_mode(module):
+        return
+    _warned_training.add(module)
+    warnings.warn(f"passes.compile: {type(module).__name__} is in training mode, and megafuse compiles for "
+                  "inference: the outputs carry no grad (the compiled module runs under torch.no_grad()). Call "
+                  "model.eval() before compiling; use torch.compile to train.", UserWarning, stacklevel=3)
 
 
 def block_compiler(passes="all", *, names: dict[int, str], mark_dynamic=None, pass_options: dict | None = None,
@@ -142,8 +170,9 @@ class _InductorWithReports(torch._TorchCompileInductorWrapper):
     def __call__(self, graph, example_inputs, **kwargs):
         report = self.manager.report
         before, start = len(report.graphs), time.perf_counter()
-        log.info("graph %d: %d FX nodes from Dynamo; AOT autograd, the passes and Inductor's codegen next",
-                 before + report.unreported, len(graph.graph.nodes))
+        label = graph_label(before + report.unreported)
+        log.info("%s: %d FX nodes from Dynamo; AOT autograd, the passes and Inductor's codegen next",
+                 label, len(graph.graph.nodes))
         with eager_roundings():
             compiled = super().__call__(graph, example_inputs, **kwargs)
         stored = _report_dir() / f"{self._key(graph, example_inputs)}.json"
@@ -152,12 +181,12 @@ class _InductorWithReports(torch._TorchCompileInductorWrapper):
             # Dynamo graph (say, code that changed but lowers the same) can be served a graph whose
             # report was stored under another key. Compile it again with the caches off: the passes
             # run and report, and the report is stored under this key.
-            log.info("graph %d: served from Inductor's cache without a stored report; compiling it again "
-                     "with the caches off", before + report.unreported)
+            log.info("%s: served from Inductor's cache without a stored report; compiling it again "
+                     "with the caches off", label)
             patches = {**(kwargs.pop("config_patches", None) or {}), "fx_graph_cache": False}
             with eager_roundings(), torch._functorch.config.patch(enable_autograd_cache=False):
                 compiled = super().__call__(graph, example_inputs, config_patches=patches, **kwargs)
-        log.info("graph %d: compiled in %.1f s (%s)", before + report.unreported, time.perf_counter() - start,
+        log.info("%s: compiled in %.1f s (%s)", label, time.perf_counter() - start,
                  "the passes ran" if len(report.graphs) > before else "from Inductor's cache")
         compile_id = str(torch._guards.CompileContext.current_compile_id())
         if len(report.graphs) > before:  # the passes ran

@@ -1,6 +1,7 @@
 """The engine: continuous batching of requests over the model's batched step and byte cache.
 
-    engine = Engine(model, layout=CacheLayout(...))
+    engine = Engine(model)                                                 # the cache sized from free memory
+    engine = Engine(model, layout=CacheLayout(...))                        # or a layout of your own
     outputs = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)    # greedy by default
     for token in engine.stream([1, 2, 3], max_new_tokens=16): ...         # one request's tokens as they come
 
@@ -29,10 +30,32 @@ Its compiled step runs without CUDA graphs: the all-to-all waits on the host for
 
 A request that can never fit (prompt + max_new_tokens beyond one request's page table or the whole
 pool) is rejected at `add_request` with the reason; bad input raises `RequestError` naming it.
+
+Without a `layout` the engine sizes its own (`default_layout`), as vLLM sizes its KV cache from
+gpu_memory_utilization, and logs it once (logger megafuse.runtime); `engine.layout` holds it:
+
+    budget     cache_bytes when given; else memory_fraction (default 0.9) x the device's free memory:
+               on CUDA what `torch.cuda.mem_get_info` reports free plus what PyTorch's allocator holds
+               unused, measured when the engine is built (after the weights); elsewhere (CPU) a fixed
+               CPU_CACHE_BYTES = 1 GiB: host memory is shared with everything else and the CPU runs
+               small models (tests, the Triton interpreter), so a share of it would size nothing useful
+    slots      token_budget: a step decodes at most token_budget requests, so more slots would only
+               hold requests waiting for rows
+    page_size  DEFAULT_PAGE_SIZE (64 positions)
+    pages      CacheLayout.for_budget: what the budget holds after the slots' SWA rings
+               (model/cache.py states the arithmetic)
+    max_pages  max_tokens (default DEFAULT_MAX_TOKENS = 4096) / page_size, or the whole pool if less.
+               Not the model's longest position: the indexer scores every page of a request's
+               page-table row at every step, so the table's width is a cost paid by every step
+
+The (1 - memory_fraction) left over is for activations, compiled graphs and CUDA-graph pools: lower
+it (or give cache_bytes) if a step runs out of memory.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,14 +63,60 @@ from dataclasses import dataclass, field
 import torch
 
 from megafuse.model import CacheLayout, KVCache, Sequence, build_step, page_table
+from megafuse.model.cache import DEFAULT_PAGE_SIZE
 from megafuse.model.expert_parallel import is_expert_parallel
 
 from .graphs import CompiledStep, default_buckets
 from .kv_cache import PagePool, PrefixCache
 
 
+log = logging.getLogger("megafuse.runtime")
+
+DEFAULT_MEMORY_FRACTION = 0.9  # of the device's free memory, for the default layout's pages
+CPU_CACHE_BYTES = 1 << 30  # the free memory a CPU device is taken to have (module docstring)
+DEFAULT_MAX_TOKENS = 4096  # positions one request can hold under the default layout
+
+
 class RequestError(ValueError):
     """A request the engine cannot take; the message names the problem and the valid range."""
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """The memory a cache may take a share of: on CUDA the device's free memory plus what PyTorch's
+    caching allocator holds unused (it hands that out again); elsewhere CPU_CACHE_BYTES."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return CPU_CACHE_BYTES
+
+
+def default_layout(model, *, slots: int, memory_fraction: float | None = None, cache_bytes: int | None = None,
+                   max_tokens: int | None = None, page_size: int = DEFAULT_PAGE_SIZE) -> CacheLayout:
+    """The layout an engine builds without one (module docstring): `slots` requests, pages from
+    `cache_bytes`, or from `memory_fraction` (default 0.9) of the model's device's free memory."""
+    if cache_bytes is not None and memory_fraction is not None:
+        raise ValueError("give cache_bytes (the budget itself) or memory_fraction (a share of the free memory), not both")
+    if memory_fraction is not None and not (isinstance(memory_fraction, (int, float))
+                                            and not isinstance(memory_fraction, bool) and 0 < memory_fraction <= 1):
+        raise ValueError(f"memory_fraction must lie in (0, 1] (the share of the device's free memory the cache "
+                         f"takes), got {memory_fraction!r}")
+    if cache_bytes is not None and (not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 1):
+        raise ValueError(f"cache_bytes must be a positive int (bytes), got {cache_bytes!r}")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive int (positions one request can hold), got {max_tokens!r}")
+    device = model.embed.weight.device
+    if cache_bytes is None:
+        fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
+        free = device_free_bytes(device)
+        budget, source = math.floor(fraction * free), f"{fraction:g} x {free / 2**30:.2f} GiB free on {device}"
+    else:
+        budget, source = cache_bytes, "cache_bytes"
+    layout = CacheLayout.for_budget(model.cfg, budget, slots=slots, page_size=page_size,
+                                    max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+    log.info("cache layout: %d slots, %d pages of %d tokens (up to %d tokens a request), %.3f GiB of a %.3f GiB "
+             "budget (%s)", layout.slots, layout.pages, layout.page_size, layout.max_tokens,
+             layout.nbytes(model.cfg) / 2**30, budget / 2**30, source)
+    return layout
 
 
 @dataclass(frozen=True)
@@ -93,11 +162,15 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model, *, layout: CacheLayout, prefix_cache: bool = True, swa_bounded_replay: bool = True,
-                 trim_decoder: bool = True, token_budget: int = 256, passes="all", cuda_graphs: bool | None = None,
-                 buckets: tuple[int, ...] | None = None, compiled: CompiledStep | None = None,
-                 keep_logits: bool = False):
-        """passes: "all", "none", a list of pass names (the compiled step), or None (eager step).
+    def __init__(self, model, *, layout: CacheLayout | None = None, memory_fraction: float | None = None,
+                 cache_bytes: int | None = None, max_tokens: int | None = None, prefix_cache: bool = True,
+                 swa_bounded_replay: bool = True, trim_decoder: bool = True, token_budget: int = 256, passes="all",
+                 cuda_graphs: bool | None = None, buckets: tuple[int, ...] | None = None,
+                 compiled: CompiledStep | None = None, keep_logits: bool = False):
+        """layout: the cache's; None sizes one (`default_layout`, module docstring) from cache_bytes,
+        or memory_fraction (default 0.9, in (0, 1]) of the device's free memory, with max_tokens
+        (default 4096) positions a request; with a layout (or a compiled step's) those are errors.
+        passes: "all", "none", a list of pass names (the compiled step), or None (eager step).
         cuda_graphs: capture the compiled regions per bucket (None: where the model is on CUDA and its
         experts are not sharded).
         buckets: the padded row counts of the compiled step (default: powers of two from 2 up to the
@@ -106,6 +179,16 @@ class Engine:
         share its compiled graphs and CUDA graphs: bench-serve's configurations)."""
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        sizing = {k: v for k, v in (("memory_fraction", memory_fraction), ("cache_bytes", cache_bytes),
+                                    ("max_tokens", max_tokens)) if v is not None}
+        if layout is None and compiled is not None:
+            layout = compiled.layout
+        elif layout is None:
+            layout = default_layout(model, slots=token_budget, **sizing)
+        elif sizing:
+            raise ValueError(f"{', '.join(sizing)} size the default layout; with a layout given they would do nothing")
+        if sizing and compiled is not None:
+            raise ValueError(f"{', '.join(sizing)} size the default layout; a compiled step brings its own")
         self.model, self.cfg, self.layout = model, model.cfg, layout
         self.device = model.embed.weight.device
         self.pages = PrefixCache(PagePool(layout.pages), layout.page_size)

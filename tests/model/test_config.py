@@ -1,12 +1,13 @@
 """Config presets, validation rules with named errors, JSON loading, and the published sizes."""
 
+import dataclasses
 import json
 from pathlib import Path
 import re
 
 import pytest
 
-from megafuse.model.config import ConfigError, config_from_dict, load_config, preset
+from megafuse.model.config import PRESETS, ConfigError, config_from_dict, load_config, preset, resolve_config
 from megafuse.model.stats import (device_parameter_bytes, global_kv_bytes_per_token, parameter_counts,
                                    swa_bytes_per_request)
 
@@ -81,6 +82,31 @@ def test_json_with_hf_field_names(tmp_path):
     assert (cfg.score_func, cfg.window, cfg.yarn_factor, cfg.yarn_original_max_pos) == ("sigmoid", 16, 8, 4096)
     assert set(cfg.extra) == {"torch_dtype", "bos_token_id"}
     assert config_from_dict(preset("tiny").to_dict()) == preset("tiny")
+
+
+@pytest.mark.parametrize("name", list(PRESETS))  # tiny, proxy, flash, flash-lite
+@pytest.mark.parametrize("form", ["asdict", "to_dict"])
+def test_every_preset_saved_as_json_loads_back_equal_field_by_field(tmp_path, name, form):
+    cfg = preset(name)
+    saved = dataclasses.asdict(cfg) if form == "asdict" else cfg.to_dict()
+    assert ("extra" in saved) == (form == "asdict")
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(saved))
+    for loaded in (load_config(path), resolve_config(str(path))):
+        # every field, extra (compare=False) included, is the preset's
+        assert loaded == cfg and dataclasses.asdict(loaded) == dataclasses.asdict(cfg)
+
+
+def test_an_hf_configs_ignored_keys_survive_a_save_as_asdict_and_a_load(tmp_path):
+    cfg = config_from_dict(_published(), name="v41")
+    path = tmp_path / "v41.json"
+    path.write_text(json.dumps(dataclasses.asdict(cfg)))
+    loaded = load_config(path)
+    assert loaded == cfg and loaded.extra == cfg.extra and set(loaded.extra) == PUBLISHED_IGNORED
+    (tmp_path / "bad.json").write_text(json.dumps({**dataclasses.asdict(preset("tiny")), "extra": ["dspark_"]}))
+    with pytest.raises(ConfigError, match=re.escape("config 'tiny': extra: must be an object {key: why it was "
+                                                    "ignored} of strings, got ['dspark_']")):
+        load_config(tmp_path / "bad.json")
 
 
 def test_bad_json_is_a_config_error(tmp_path):

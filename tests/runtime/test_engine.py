@@ -1,12 +1,15 @@
 """The engine against the plain model: exact mode is exact, nothing is lost, cached pages are read-only."""
 
 import hashlib
+import logging
+import math
 
 import pytest
 import torch
 
-from megafuse.model import CacheLayout
+from megafuse.model import CacheLayout, KVCache
 from megafuse.runtime import Engine, RequestError, SamplingParams
+from megafuse.runtime import engine as engine_module
 from tests.model.stepping import random_tokens
 
 NEW_TOKENS = 4
@@ -147,3 +150,70 @@ def test_streams_yield_each_requests_tokens_as_they_come_while_serving_the_other
     assert [engine.requests[i].output for i in others] == want[1:]
     with pytest.raises(RequestError, match="empty"):
         engine.stream([], 3)  # a bad request fails when it is made, not at the first next()
+
+
+def _allocated_bytes(cfg, slots: int, pages: int) -> int:
+    return sum(KVCache.allocate(cfg, CacheLayout(slots=slots, pages=pages, page_size=64, max_pages=1)).nbytes().values())
+
+
+def test_an_engine_without_a_layout_sizes_one_and_serves_the_same_tokens(tiny_fp32, tiny_model, caplog):
+    prompts = [random_tokens(tiny_fp32, 9 + 5 * i, seed=60 + i) for i in range(3)]
+    explicit = Engine(tiny_model, layout=CacheLayout(slots=3, pages=6, page_size=8, max_pages=4), passes=None,
+                      token_budget=16)
+    with caplog.at_level(logging.INFO, logger="megafuse.runtime"):
+        default = Engine(tiny_model, passes=None, token_budget=16)
+    assert default.generate(prompts, NEW_TOKENS) == explicit.generate(prompts, NEW_TOKENS)
+    # on the CPU: 0.9 x CPU_CACHE_BYTES (1 GiB); one slot per row of the token budget; 4096 positions a request
+    layout = default.layout
+    assert (layout.slots, layout.page_size, layout.max_pages) == (16, 64, 4096 // 64)
+    budget = math.floor(0.9 * 2**30)
+    used = sum(default.cache.nbytes().values())
+    assert used == layout.nbytes(tiny_fp32) and budget - 49152 < used <= budget  # within one page of the budget
+    records = [r.getMessage() for r in caplog.records if r.name == "megafuse.runtime"]
+    assert len(records) == 1 and records[0].startswith(
+        f"cache layout: 16 slots, {layout.pages} pages of 64 tokens (up to 4096 tokens a request)"), records
+
+
+def test_the_default_layouts_pages_follow_from_the_free_memory(tiny_fp32, tiny_model, monkeypatch):
+    # tiny in fp32, quant none: raw fp32 rows. A slot: 12 layers x W=8 SWA rows of 64 x 4 B, plus the
+    # pending (k, gate) of the two ratio-2 sources, 2 x 64 x 4 B each. A page of 64 positions: 32 + 32
+    # + 64 entries of the kv sources 2, 4 (ratio 2) and 6 (ratio 1), each 64 x 4 B of KV + 32 x 4 B of key.
+    per_slot, per_page = 12 * 8 * 64 * 4 + 2 * (2 * 64 * 4), (32 + 32 + 64) * (64 + 32) * 4
+    assert (per_slot, per_page) == (25_600, 49_152)
+    base = _allocated_bytes(tiny_fp32, 1, 1)  # and what allocating one more slot or page takes
+    assert _allocated_bytes(tiny_fp32, 2, 1) - base == per_slot and _allocated_bytes(tiny_fp32, 1, 2) - base == per_page
+
+    free = 7_777_777
+    monkeypatch.setattr(engine_module, "device_free_bytes", lambda device: free)
+    engine = Engine(tiny_model, passes=None, token_budget=4, memory_fraction=0.5, max_tokens=200)
+    budget = math.floor(0.5 * free)
+    pages = (budget - (4 + 1) * per_slot - per_page) // per_page  # the scratch slot and page count too
+    assert pages == 75 and engine.layout == CacheLayout(slots=4, pages=75, page_size=64, max_pages=4)  # ceil(200 / 64)
+    assert budget - per_page < sum(engine.cache.nbytes().values()) <= budget
+
+    # cache_bytes is the budget itself; max_tokens beyond the pool is cut to the pool
+    exact = Engine(tiny_model, passes=None, token_budget=4, cache_bytes=6 * per_slot + 4 * per_page, max_tokens=10_000)
+    assert exact.layout == CacheLayout(slots=4, pages=3, page_size=64, max_pages=3)
+    assert sum(exact.cache.nbytes().values()) == 6 * per_slot + 4 * per_page - per_slot  # 5 slots, 4 pages
+
+
+@pytest.mark.parametrize("sizing, message", [
+    (dict(memory_fraction=0.0), r"memory_fraction must lie in \(0, 1\] \(the share of the device's free memory"),
+    (dict(memory_fraction=1.5), r"memory_fraction must lie in \(0, 1\]"),
+    (dict(memory_fraction=float("nan")), r"memory_fraction must lie in \(0, 1\]"),
+    (dict(cache_bytes=0), "cache_bytes must be a positive int"),
+    (dict(cache_bytes=2**20, memory_fraction=0.5), "give cache_bytes .* or memory_fraction .*, not both"),
+    (dict(max_tokens=0), "max_tokens must be a positive int"),
+    # 4 slots + the scratch: 5 x 25,600 bytes, and two pages of 49,152 (one of them the scratch)
+    (dict(cache_bytes=200_000), "a cache budget of 200,000 bytes holds no page of tiny: .* the smallest budget is "
+                                "226,304 bytes"),
+])
+def test_invalid_default_layout_sizes_are_errors_naming_the_valid_range(tiny_model, sizing, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(tiny_model, passes=None, token_budget=4, **sizing)
+
+
+def test_a_given_layout_with_sizing_keywords_is_an_error():
+    layout = CacheLayout(slots=2, pages=8, page_size=8, max_pages=4)
+    with pytest.raises(ValueError, match="memory_fraction size the default layout; with a layout given they would do nothing"):
+        Engine(torch.nn.Module(), layout=layout, memory_fraction=0.5)
