@@ -11,14 +11,17 @@ a" is "all but b"). For each row, on the same random prompt [B, T]:
                  (common.KERNEL_COUNT_METHOD says exactly what is counted and timed on each device)
     step         latency of one forward: on CUDA the compiled forward captured in a CUDA graph and
                  replayed (CUDA events, median of --repeat replays; falls back to timed launches
-                 if capture fails, and says so); on CPU wall clock, median of --repeat calls,
-                 indicative only (Triton kernels run in the interpreter there)
-    speed-up     step latency of the no-pass row / this row's, shown (and drawn) only where it is
-                 resolved: at least MIN_RUNS forwards each and the two rows' step times (min..max)
-                 do not overlap; otherwise "unresolved"
+                 if capture fails, and says so); on CPU the wall clock of --repeat calls (median),
+                 labelled as such: the fused kernels run in the Triton interpreter there, so the
+                 times measure the interpreter, not the kernels
+    speed-up     on CUDA only: step latency of the no-pass row / this row's, shown (and drawn) only
+                 where it is resolved: at least MIN_RUNS forwards each and the two rows' step times
+                 (min..max) do not overlap; otherwise "unresolved". On CPU none is computed (null)
     error        logits against eager on the same prompt: max abs, cosine, top-1 agreement
 
-Output: a rich table, `--json PATH` and a PNG bar chart of speed-up vs no passes (`--png`).
+Output: two rich tables that fit 80 columns (matches and kernels; time, speed-up and error),
+`--json PATH` and, on CUDA, a PNG bar chart of speed-up vs no passes (`--png`). On CPU no chart is
+drawn (an interpreter's times are not a speed-up) and a line on stderr says so.
 
 JSON, schema "megafuse.ablate/1":
 
@@ -37,10 +40,10 @@ JSON, schema "megafuse.ablate/1":
                       kernels_per_forward: float, kernels: {inductor, megafuse, other: float},
                       kernel_time_us: {pass | "inductor" | "other": float}   per forward,
                       compile_s: float, step_s: float, step_times_s: [float], step_method: str,
-                      step_spread_s: [min, max], speedup_vs_none: float | null,
-                      speedup_resolved: bool   (>= MIN_RUNS forwards; this row's and none's spreads apart)
+                      step_spread_s: [min, max], speedup_vs_none: float | null   (null on CPU),
+                      speedup_resolved: bool   (CUDA, >= MIN_RUNS forwards, this row's and none's spreads apart)
                       error: {positions, max_abs, cosine_min, cosine_mean, top1_agreement, finite}}]
-    png             str | null
+    png             str | null   (null on CPU: no chart is drawn)
     environment     {date, python, torch, triton, device}
 """
 
@@ -55,7 +58,7 @@ from rich.table import Table
 
 from . import common
 from .common import Stopwatch, compare_logits, median, step
-from .output import console, environment, tables_to_stderr, write_json
+from .output import console, environment, progress_console, tables_to_stderr, write_json
 
 EXAMPLES = """examples:
   megafuse ablate --config tiny                                 # every configuration of every registered pass
@@ -70,16 +73,18 @@ tiny on CPU).
 
 
 MIN_RUNS = 3  # forwards per row before a speed-up can be called resolved
+INTERPRETER_TIMING = "wall clock on CPU, where the fused kernels run in the Triton interpreter: not a speed-up"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_model_arguments(parser, prompt_len=8)
     common.add_layer_argument(parser)
     common.add_pass_arguments(parser, what="passes to sweep")
-    parser.add_argument("--repeat", type=int, metavar="N",
+    parser.add_argument("--repeat", type=common.in_range(at_least=1), metavar="N",
                         help="timed forwards per configuration (default: 50 CUDA-graph replays on CUDA, 3 calls on CPU)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
-    parser.add_argument("--png", metavar="PATH", help="speed-up chart (default: ablate_<config>.png)")
+    parser.add_argument("--png", metavar="PATH", help="speed-up chart on CUDA (default: ablate_<config>.png; on CPU "
+                                                      "none is drawn: its times are the Triton interpreter's)")
 
 
 def configurations(swept: list[str]) -> list[dict]:
@@ -95,6 +100,19 @@ def configurations(swept: list[str]) -> list[dict]:
         if name not in row["names"]:
             row["names"].append(name)
     return list(rows.values())
+
+
+def speedups(rows: list[dict], device: str, repeat: int) -> None:
+    """Each row's step_spread_s, speedup_vs_none and speedup_resolved, in place (module docstring):
+    on CPU no speed-up (null, unresolved), since an interpreter's times do not compare kernels."""
+    none = next(r for r in rows if not r["passes"])
+    for row in rows:
+        row["step_spread_s"] = [min(row["step_times_s"]), max(row["step_times_s"])]
+    for row in rows:
+        timed = device == "cuda" and none["step_s"] > 0 and row["step_s"] > 0
+        row["speedup_vs_none"] = none["step_s"] / row["step_s"] if timed else None
+        apart = row["step_spread_s"][1] < none["step_spread_s"][0] or row["step_spread_s"][0] > none["step_spread_s"][1]
+        row["speedup_resolved"] = timed and row is not none and repeat >= MIN_RUNS and apart
 
 
 def _graph_step_times(fn, inputs: tuple, repeat: int) -> tuple[list[float], str]:
@@ -131,7 +149,7 @@ def _step_times(fn, inputs: tuple, device: str, repeat: int) -> tuple[list[float
             clock = Stopwatch(device)
             return [clock(fn, *inputs)[1] for _ in range(repeat)], f"timed launches, CUDA events (graph capture failed: {reason})"
     clock = Stopwatch(device)
-    return [clock(fn, *inputs)[1] for _ in range(repeat)], "wall clock, indicative (CPU)"
+    return [clock(fn, *inputs)[1] for _ in range(repeat)], INTERPRETER_TIMING
 
 
 def _compared(output):
@@ -170,22 +188,16 @@ def _main(args: argparse.Namespace) -> int:
             row["kernel_time_us"] = kernels["time_us"]
             row["step_times_s"] = times
             row["step_s"] = median(times)
-            console.print(f"  {label}: {row['kernels_per_forward']:g} kernels/forward, step {row['step_s'] * 1e3:.2f} ms, "
+            clock = "step" if args.device == "cuda" else "interpreter wall clock"
+            console.print(f"  {label}: {row['kernels_per_forward']:g} kernels/forward, {clock} {row['step_s'] * 1e3:.2f} ms, "
                           f"max |err| {row['error']['max_abs']:.2e}, matches {row['matches'] or '-'}")
             del fused, out
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    none = next(r for r in rows if not r["passes"])
-    base = none["step_s"]
-    for row in rows:
-        row["step_spread_s"] = [min(row["step_times_s"]), max(row["step_times_s"])]
-        row["speedup_vs_none"] = base / row["step_s"] if base and row["step_s"] else None
-    for row in rows:
-        apart = row["step_spread_s"][1] < none["step_spread_s"][0] or row["step_spread_s"][0] > none["step_spread_s"][1]
-        row["speedup_resolved"] = row is not none and repeat >= MIN_RUNS and apart
+    speedups(rows, args.device, repeat)
 
-    png = args.png or f"ablate_{cfg.name}.png"
+    png = (args.png or f"ablate_{cfg.name}.png") if args.device == "cuda" else None
     result = {
         "schema": "megafuse.ablate/1",
         "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant, "device": args.device, "target": what,
@@ -199,9 +211,14 @@ def _main(args: argparse.Namespace) -> int:
         "png": png,
         "environment": environment(),
     }
-    console.print(_table(result))
-    _chart(result, png)
-    console.print(f"wrote {png}")
+    for table in _tables(result):
+        console.print(table)
+    if png is None:
+        progress_console.print(f"megafuse ablate: no chart{f' ({args.png})' if args.png else ''} on CPU: its times "
+                               "are the Triton interpreter's wall clock, not a speed-up (the table lists them)")
+    else:
+        _chart(result, png)
+        console.print(f"wrote {png}")
     if args.json:
         write_json(result, args.json)
     return 0
@@ -213,30 +230,51 @@ def _speedup(x: float | None) -> str:
     return f"{x:.2f}x" if x >= 0.1 else f"{x:.4f}x"
 
 
-def _table(result: dict) -> Table:
-    indicative = " (CPU: timings indicative)" if result["timing"]["indicative"] else ""
-    table = Table(title=f"megafuse ablate: {result['config']} {result['target']} on {result['device']}, "
-                        f"{result['batch']} x {result['tokens']} tokens{indicative}; matches per pass")
-    table.add_column("configuration", no_wrap=True)
+def _ms(seconds: float) -> str:
+    """Milliseconds in at most 7 characters, to 3 significant digits or better."""
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.2f}" if ms >= 1 else f"{ms:.3f}"
+
+
+def _tables(result: dict) -> list[Table]:
+    """What each configuration fused, then its time and error: two tables, each within 80 columns
+    with the registered passes (test_ablate checks), where one would need about 110."""
+    rows, cuda = result["rows"], not result["timing"]["indicative"]
+    fused = Table(title=f"megafuse ablate: {result['config']} {result['target']} on {result['device']}, "
+                        f"{result['batch']} x {result['tokens']} tokens: matches per pass")
+    fused.add_column("configuration", no_wrap=True)
     for name in result["passes"]:
-        table.add_column(name, justify="right", no_wrap=True)
-    for col in ("kernels\n/forward", "step (ms)\nmedian [min-max]", "speed-up\nvs none", "max |err|\nvs eager",
-                "top-1\nagree"):
-        table.add_column(col, justify="right")
-    for row in result["rows"]:
+        fused.add_column(name, justify="right", no_wrap=True)
+    fused.add_column("kernels\n/forward", justify="right", no_wrap=True)
+    for row in rows:
         cells = [str(row["matches"][p]) if p in row["matches"] else "-" for p in result["passes"]]
+        fused.add_row("\n".join(row["names"]), *cells, f"{row['kernels_per_forward']:g}")
+
+    what = (f"step latency ({result['timing']['method']})" if cuda else
+            "CPU: Triton-interpreter wall clock, not a speed-up")
+    timed = Table(title=f"{what}; error vs eager")
+    timed.add_column("configuration", no_wrap=True)
+    timed.add_column("step ms\nmedian \\[min-max]" if cuda else "interpreter wall ms\nmedian \\[min-max]",
+                     justify="right", no_wrap=True)
+    if cuda:
+        timed.add_column("speed-up\nvs none", justify="right", no_wrap=True)
+    timed.add_column("max\n|err|", justify="right", no_wrap=True)
+    timed.add_column("top-1\nagree", justify="right", no_wrap=True)
+    for row in rows:
         low, high = row["step_spread_s"]
-        step_ms = f"{row['step_s'] * 1e3:.2f} [{low * 1e3:.2f}-{high * 1e3:.2f}]"
-        speedup = _speedup(row["speedup_vs_none"]) if row["speedup_resolved"] or not row["passes"] else "unresolved"
-        table.add_row("\n".join(row["names"]), *cells, f"{row['kernels_per_forward']:g}", step_ms,
-                      speedup, f"{row['error']['max_abs']:.1e}",
+        cells = [f"{_ms(row['step_s'])} \\[{_ms(low)}-{_ms(high)}]"]  # (\[: a literal bracket, not markup)
+        if cuda:
+            cells.append(_speedup(row["speedup_vs_none"]) if row["speedup_resolved"] or not row["passes"]
+                         else "unresolved")
+        timed.add_row("\n".join(row["names"]), *cells, f"{row['error']['max_abs']:.1e}",
                       f"{row['error']['top1_agreement'] * 100:.0f}%")
-    return table
+    return [fused, timed]
 
 
 def _chart(result: dict, path: str) -> None:
     """Horizontal bars of speed-up vs no passes, one per row (matplotlib, Agg canvas: no display);
-    a row whose speed-up is not resolved gets no bar, and says so."""
+    a row whose speed-up is not resolved gets no bar, and says so. CUDA timings only: on CPU there is
+    no speed-up to draw (`_main` draws none)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -259,10 +297,8 @@ def _chart(result: dict, path: str) -> None:
                 f" {label}  ({row['step_s'] * 1e3:.2f} ms, {low:.2f}-{high:.2f})", va="center", fontsize=8)
     ax.set_xlim(0, max(speedups + [1.0]) * 1.35)
     ax.set_xlabel("speed-up vs no passes (step latency of one forward; higher is better)")
-    note = ("CPU wall clock, indicative: fused kernels run in the Triton interpreter"
-            if result["timing"]["indicative"] else result["timing"]["method"])
     ax.set_title(f"megafuse ablate: {result['config']} {result['target']} on {result['device']}, "
-                 f"{result['batch']} x {result['tokens']} tokens\n({note})", fontsize=9)
+                 f"{result['batch']} x {result['tokens']} tokens\n({result['timing']['method']})", fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -1,6 +1,11 @@
 """What the compile tools (`run`, `ablate`, `inspect`) share.
 
     model       a preset, a config JSON or a checkpoint directory            `load_model`
+    sizes       every size flag an argparse type that states its valid range     `in_range`
+    memory      a request the device cannot hold is refused before anything is built (positions,
+                weights, cache, activations: lower bounds), and an allocation that fails anyway
+                is a usage error naming the sizes      `RequestSize`, `check_fits`,
+                                                       `out_of_memory_is_usage_error`
     target      the whole model, or one block (`--layer N`) fed the inputs the whole model gives
                 it, captured with a forward pre-hook               `target`, `prepare_target`
     passes      `--passes all|none|a,b` and one `--no-<pass>` flag per registered pass, generated
@@ -24,8 +29,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib
 import os
+import re
+import resource
 import statistics
 import sys
 import tempfile
@@ -38,6 +46,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from torch import nn
 
 from megafuse import passes
+from megafuse.model import CacheLayout, KVCache
+from megafuse.model.cache import row_codec
 from megafuse.model.checkpoint import load_checkpoint
 from megafuse.model.config import DTYPES, PRESETS, QUANT_MODES, ModelConfig, resolve_config
 from megafuse.model.transformer import Transformer, build_model
@@ -53,14 +63,39 @@ PAD_ID = 0  # what fills the positions of a static sequence graph that are not y
 # arguments
 # ------------------------------------------------------------------------------------------------
 
+def in_range(kind: type = int, *, at_least=None, above=None, at_most=None):
+    """An argparse type: a `kind` (int or float) within the bounds given. A value outside them is a
+    usage error at parse time that states the valid range (`argument --batch: must be >= 1, got
+    -1`), before anything is built: sizes are checked where they are read, never by the tensor
+    they would have shaped."""
+    rule = " and ".join(r for r, bound in ((f">= {at_least}", at_least), (f"> {above}", above),
+                                           (f"<= {at_most}", at_most)) if bound is not None)
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun} {rule}, got {text!r}") from None
+        within = ((at_least is None or value >= at_least) and (above is None or value > above)
+                  and (at_most is None or value <= at_most))
+        if not within:  # NaN is within no range
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    parse.__name__ = f"{noun} {rule}"
+    return parse
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, *, prompt_len: int) -> None:
     parser.add_argument("--config", required=True,
                         help=f"a preset ({', '.join(PRESETS)}), a config JSON or a checkpoint directory")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", choices=DTYPES, help="override the config's dtype")
     parser.add_argument("--quant", choices=QUANT_MODES, help="override the config's quant mode")
-    parser.add_argument("--prompt-len", type=int, default=prompt_len, metavar="T", help=f"tokens per request (default {prompt_len})")
-    parser.add_argument("--batch", type=int, default=1, metavar="B", help="requests (default 1)")
+    parser.add_argument("--prompt-len", type=in_range(at_least=1), default=prompt_len, metavar="T",
+                        help=f"tokens per request (default {prompt_len})")
+    parser.add_argument("--batch", type=in_range(at_least=1), default=1, metavar="B", help="requests (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the random prompt (default 0)")
 
 
@@ -114,40 +149,9 @@ def selected_passes(args: argparse.Namespace) -> list[str]:
     return [n for n in chosen if not getattr(args, f"no_{n}", False)]
 
 
-def check_sizes(args: argparse.Namespace, **minimums: int) -> None:
-    """`check_sizes(args, batch=1)`: --batch must be >= 1, else a usage error."""
-    for name, minimum in minimums.items():
-        value = getattr(args, name)
-        if value < minimum:
-            raise ToolError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
-
-
 # ------------------------------------------------------------------------------------------------
 # model, inputs, compile
 # ------------------------------------------------------------------------------------------------
-
-def check_fits(cfg: ModelConfig, args: argparse.Namespace) -> None:
-    """Refuse, before anything is built, a request the model or the machine cannot hold: more
-    positions than the model's maximum (YaRN: yarn_original_max_pos x yarn_factor), or more
-    activation memory than the device has, counting only what a forward must hold at once per
-    position (the n residual streams a few times over in fp32, and the fp32 logits): a lower bound."""
-    positions = args.prompt_len + getattr(args, "decode", 0)
-    max_positions = int(cfg.yarn_original_max_pos * cfg.yarn_factor)
-    if positions > max_positions:
-        raise ToolError(f"--prompt-len + --decode = {positions} positions exceed {cfg.name}'s maximum of "
-                        f"{max_positions} (yarn_original_max_pos {cfg.yarn_original_max_pos} x yarn_factor "
-                        f"{cfg.yarn_factor:g})")
-    per_position = 4 * (4 * cfg.hc_mult * cfg.dim + cfg.vocab_size)
-    need = args.batch * positions * per_position
-    if args.device == "cuda" and torch.cuda.is_available():
-        have = torch.cuda.mem_get_info()[1]
-    else:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        raise ToolError(f"--batch {args.batch} x {positions} positions need at least {need / 2**30:,.1f} GiB of "
-                        f"activations ({per_position:,} bytes a position), more than the {have / 2**30:,.1f} GiB "
-                        f"of this {args.device} device: use a smaller --batch or --prompt-len")
-
 
 def resolve_model_config(args: argparse.Namespace) -> ModelConfig:
     """The config `--config` names, with --dtype/--quant applied (nothing built)."""
@@ -156,18 +160,203 @@ def resolve_model_config(args: argparse.Namespace) -> ModelConfig:
     return cfg.replace(**overrides) if overrides else cfg
 
 
-def load_model(args: argparse.Namespace) -> tuple[ModelConfig, Transformer]:
-    """The model `--config` names (preset, JSON, checkpoint directory), with --dtype/--quant applied."""
+def load_model(args: argparse.Namespace, size: RequestSize | None = None) -> tuple[ModelConfig, Transformer]:
+    """The model `--config` names (preset, JSON, checkpoint directory), with --dtype/--quant applied,
+    built once `check_fits` accepts `size` (default: one forward of --batch x --prompt-len,
+    `forward_size`); an allocation that fails while it builds is a usage error too."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ToolError("--device cuda: no CUDA device is available here; use --device cpu")
     cfg = resolve_model_config(args)
-    check_fits(cfg, args)
-    with step(f"building {cfg.name} ({cfg.dtype}, quant={cfg.quant}) on {args.device}", quiet=True):
+    size = size or forward_size(cfg, args)
+    check_fits(cfg, args.device, size)
+    with out_of_memory_is_usage_error(size, args.device), \
+            step(f"building {cfg.name} ({cfg.dtype}, quant={cfg.quant}) on {args.device}", quiet=True):
         if Path(args.config).is_dir():
             model = load_checkpoint(args.config, device=args.device, cfg=cfg)
         else:
             model = build_model(cfg, seed=args.seed, device=args.device)
     return cfg, model
+
+
+# ------------------------------------------------------------------------------------------------
+# memory: refuse a request that cannot fit before building it, and name the sizes when one fails
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RequestSize:
+    """What a tool's request holds at once on its device, checked before anything is built. Every
+    byte count is a lower bound, so `check_fits` never refuses a request that would fit; one that
+    passes and still fails to allocate is caught by `out_of_memory_is_usage_error`."""
+
+    request: str      # the request in the user's terms: "--batch 4 x 24 positions (--prompt-len 16 + --decode 8)"
+    positions: int    # its longest sequence, against the model's maximum
+    weights: int      # the model's parameters and buffers (`model_bytes`)
+    cache: int        # the byte cache's pools (`cache_bytes`)
+    activations: int  # one forward or step beyond those (`activation_bytes`)
+    advice: str       # what to change when it does not fit: "a smaller --batch or --prompt-len"
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.cache + self.activations
+
+    def __str__(self) -> str:
+        return (f"{_size(self.total)} (weights {_size(self.weights)}, cache {_size(self.cache)}, "
+                f"activations {_size(self.activations)})")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:,.1f} MiB"
+
+
+@functools.lru_cache(maxsize=16)
+def model_bytes(cfg: ModelConfig) -> int:
+    """Parameters and buffers of cfg's model, counted on its meta build: what building it allocates
+    on the device (build_model puts everything there, the Engram tables included)."""
+    model = build_model(cfg, device="meta")
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def cache_bytes(cfg: ModelConfig, layout: CacheLayout) -> int:
+    """The byte cache's pools for `layout` (scratch slot and page included), allocated on meta."""
+    return sum(KVCache.allocate(cfg, layout, "meta").nbytes().values())
+
+
+def activation_bytes(cfg: ModelConfig, rows: int, tokens: int, logit_rows: int, step: str | None) -> int:
+    """A lower bound on what one forward (`step` None) or batched step ("compiled" or "eager") of
+    `rows` rows holds at once beyond weights and cache:
+
+        streams   every row's n residual streams a few times over in fp32: 4 x hc_mult x dim x 4 B
+        logits    the fp32 logits of `logit_rows` rows
+        indexer   every row scores every entry its request can hold (`tokens` positions / the
+                  layer's compress ratio), `indexer_bytes_per_entry` each
+
+    The indexer's term grows with rows x tokens: a long prompt's step is where requests stop fitting.
+    """
+    streams = rows * 4 * cfg.hc_mult * cfg.dim * 4
+    logits = logit_rows * cfg.vocab_size * 4
+    ratios = [cfg.compress_ratios[layer] for layer in range(cfg.n_layers) if cfg.role(layer) in ("full", "reindex")]
+    entries = tokens // min(ratios) if ratios else 0
+    return streams + logits + rows * entries * indexer_bytes_per_entry(cfg, step)
+
+
+def indexer_bytes_per_entry(cfg: ModelConfig, step: str | None) -> int:
+    """Bytes the lightning indexer holds at its peak per (row, entry) it scores, at least:
+
+        forward (None)  the scores einsum's per-head fp32 logits; a sequence's queries share its keys
+        "compiled"      each row's decoded keys (index_head_dim in the model dtype), the input of the
+                        scores einsum's bmm, and its per-head fp32 output: no pass fuses the indexer
+        "eager"         the larger of two moments. Decoding: the key bytes gathered from the cache and
+                        the decode's temporaries, under quant="ref" the uint8 codes and five fp32
+                        values per element (c, 0.5c, c - 2, 2c, 2c - 8 in quant._e2m1_value's
+                        where-chain), under "none" each byte widened twice, cast then shifted
+                        (cache._raw_codec). Scoring: the decoded keys and the per-head logits twice
+                        (the einsum's output and its relu).
+
+    The eager figures follow those functions' code: measured on tiny (256 rows x 4,032 entries), the
+    peak resident memory grows by 813 B per (row, entry) under quant="ref" and 2,200 B under "none",
+    against 689 and 2,176 here.
+    """
+    heads, dim, width = cfg.index_heads, cfg.index_head_dim, getattr(torch, cfg.dtype).itemsize
+    if step is None:
+        return heads * 4
+    if step == "compiled":
+        return dim * width + heads * 4
+    wide = 4 if width == 2 else 8  # _raw_codec's integer type twice the value's width
+    decoding = row_codec(cfg, "index_keys").row_bytes + dim * (1 + 5 * 4 if cfg.quant == "ref" else 2 * wide * width)
+    scoring = dim * width + 2 * heads * 4
+    return max(decoding, scoring)
+
+
+def forward_size(cfg: ModelConfig, args: argparse.Namespace) -> RequestSize:
+    """One forward of the whole model on --batch x --prompt-len tokens (`ablate`, `inspect`): no
+    cache, every position's logits, index keys shared by a sequence's queries."""
+    B, T = args.batch, args.prompt_len
+    return RequestSize(f"--batch {B} x --prompt-len {T}", T, model_bytes(cfg), 0,
+                       activation_bytes(cfg, B * T, T, B * T, step=None),
+                       "a smaller --batch or --prompt-len")
+
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def _cpu_memory() -> dict[str, int]:
+    """What bounds this process's allocations on the CPU, in bytes: the kernel's MemAvailable, the
+    address-space limit (ulimit -v) less what the process maps, the cgroup's limit less its usage."""
+    bounds = {"physical memory": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+    with contextlib.suppress(OSError, KeyError, ValueError):
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        bounds = {"MemAvailable": int(meminfo["MemAvailable"].split()[0]) * 1024}
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        mapped = 0
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+            mapped = int(status["VmSize"].split()[0]) * 1024
+        bounds["the address-space limit (ulimit -v) less what this process maps"] = soft - mapped
+    for limit, usage in (("memory.max", "memory.current"),  # cgroup v2, then v1
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        with contextlib.suppress(OSError, ValueError):
+            cap = (CGROUP / limit).read_text().strip()
+            if cap != "max" and int(cap) < 2**60:  # v1 writes "no limit" as ~2^63
+                bounds["the cgroup's memory limit less its usage"] = int(cap) - int((CGROUP / usage).read_text())
+                break
+    return bounds
+
+
+def free_memory(device: str) -> tuple[int, str]:
+    """(bytes this process can still allocate on `device`, what that figure is). CUDA: the driver's
+    free memory (torch.cuda.mem_get_info); CPU: the least bound of `_cpu_memory`."""
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        return free, f"free on the GPU (of {_size(total)}, torch.cuda.mem_get_info)"
+    where, free = min(_cpu_memory().items(), key=lambda kv: kv[1])
+    return max(free, 0), f"available on the CPU ({where})"
+
+
+def _presets_that_fit(free: int) -> str:
+    fitting = [name for name, cfg in PRESETS.items() if model_bytes(cfg) <= free]
+    return f"presets that fit: {', '.join(fitting)}" if fitting else "no preset fits"
+
+
+def check_fits(cfg: ModelConfig, device: str, size: RequestSize) -> None:
+    """Refuse, before anything is built, a request the model or the machine cannot hold: more
+    positions than the model's maximum (YaRN: yarn_original_max_pos x yarn_factor), a model whose
+    weights alone exceed the device's free memory, or weights + cache + activations that do."""
+    max_positions = int(cfg.yarn_original_max_pos * cfg.yarn_factor)
+    if size.positions > max_positions:
+        raise ToolError(f"{size.request}: {size.positions} positions exceed {cfg.name}'s maximum of {max_positions} "
+                        f"(yarn_original_max_pos {cfg.yarn_original_max_pos} x yarn_factor {cfg.yarn_factor:g})")
+    free, where = free_memory(device)
+    if size.weights > free:
+        raise ToolError(f"{cfg.name} ({cfg.dtype}) has {_size(size.weights)} of weights, more than the {_size(free)} "
+                        f"{where}: use a smaller config ({_presets_that_fit(free)})")
+    if size.total > free:
+        raise ToolError(f"{size.request} needs at least {size}, more than the {_size(free)} {where}: "
+                        f"use {size.advice}")
+
+
+# How an allocation failure reads: torch.OutOfMemoryError (CUDA), the CPU allocator's RuntimeError
+# (under ulimit -v or a cgroup limit), and either wrapped by Dynamo or Inductor while compiling.
+_ALLOCATION_FAILED = ("out of memory", "can't allocate memory")
+
+
+@contextlib.contextmanager
+def out_of_memory_is_usage_error(size: RequestSize, device: str):
+    """Run the block; an allocation that fails in it is a ToolError (exit status 2) naming the
+    request's size, the memory free when the block began and the allocation that failed: the sizes
+    `check_fits` adds are lower bounds, so a request can pass it and still not fit."""
+    free, where = free_memory(device)
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        message = str(e)
+        if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and not any(
+                marker in message for marker in _ALLOCATION_FAILED):
+            raise
+        tried = re.search(r"(?i)tried to allocate ([\d.]+ [KMG]iB|\d+ bytes)", message)
+        failed = f"an allocation of {tried.group(1)}" if tried else "an allocation"
+        raise ToolError(f"out of memory on {device}: {failed} failed; {size.request} needs at least {size}, and "
+                        f"{_size(free)} was {where} when it began: use {size.advice}") from None
 
 
 def random_ids(cfg: ModelConfig, batch: int, length: int, seed: int, device: str) -> torch.Tensor:
@@ -258,7 +447,7 @@ def layer_target(model, ids: torch.Tensor, layer: int) -> tuple[nn.Module, tuple
 
 
 def add_layer_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layer", type=int, metavar="N",
+    parser.add_argument("--layer", type=in_range(at_least=0), metavar="N",
                         help="compile only model.layers[N], fed the inputs the whole model gives it on the prompt")
 
 
@@ -271,13 +460,12 @@ def target(model, ids: torch.Tensor, layer: int | None) -> tuple[nn.Module, tupl
 
 
 def prepare_target(args: argparse.Namespace, cuda_repeat: int, cpu_repeat: int):
-    """What `ablate` and `inspect` start from: validate the sizes (`--repeat` defaults to
-    `cuda_repeat` / `cpu_repeat` per device), build the model and a random prompt, and pick the
-    target. Returns (enabled passes, config, target module, its inputs, "model" | "layer N")."""
+    """What `ablate` and `inspect` start from: `--repeat` (default `cuda_repeat` / `cpu_repeat` per
+    device), the model and a random prompt, and the target. Returns (enabled passes, config, target
+    module, its inputs, "model" | "layer N")."""
     names = selected_passes(args)
     if args.repeat is None:
         args.repeat = cuda_repeat if args.device == "cuda" else cpu_repeat
-    check_sizes(args, prompt_len=1, batch=1, repeat=1)
     cfg, model = load_model(args)
     ids = random_ids(cfg, args.batch, args.prompt_len, args.seed, args.device)
     return (names, cfg, *target(model, ids, args.layer))

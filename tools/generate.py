@@ -5,7 +5,9 @@ or, without either, `--batch` random prompts of `--prompt-len` tokens. The engin
 runs them with continuous batching over the byte cache: decodes first, chunked prefill under
 `--token-budget`, the prefix cache, bounded replay and the trimmed decoder unless turned off. The
 step runs compiled with the passes (`--passes`, `--no-<pass>`), once per padded bucket, and on a
-GPU as CUDA graphs (`--no-cuda-graphs`); `--eager` runs it uncompiled (no compile time).
+GPU as CUDA graphs (`--no-cuda-graphs`); `--eager` runs it uncompiled (no compile time). A request
+the device cannot hold (the weights, the cache and the first step: `request_size`) is refused before
+the model is built, and an allocation that fails anyway is a usage error naming the sizes.
 
 `--world-size N` runs N ranks, one process each (runtime/distributed.py): data-parallel attention
 (each rank its own engine, caches and prefix cache; sessions routed to ranks by SessionRouter) with
@@ -71,18 +73,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_model_arguments(parser, prompt_len=16)
     parser.add_argument("--prompt", action="append", metavar="IDS", help="comma-separated token ids (repeatable)")
     parser.add_argument("--prompts", metavar="FILE", help="a JSON list of token-id lists")
-    parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="tokens per request (default 16)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--token-budget", type=int, default=256, help="rows per step (default 256)")
-    parser.add_argument("--slots", type=int, help="requests running at once (default: all of them)")
+    parser.add_argument("--max-new-tokens", type=common.in_range(at_least=1), default=16, metavar="N",
+                        help="tokens per request (default 16)")
+    parser.add_argument("--temperature", type=common.in_range(float, at_least=0), default=0.0,
+                        help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=common.in_range(float, above=0, at_most=1), default=1.0,
+                        help="the nucleus, in (0, 1] (default 1)")
+    parser.add_argument("--token-budget", type=common.in_range(at_least=1), default=256,
+                        help="rows per step (default 256)")
+    parser.add_argument("--slots", type=common.in_range(at_least=1),
+                        help="requests running at once (default: all of them)")
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--no-swa-bounded-replay", action="store_true", help="replay L x W tokens on a hit (exact)")
     parser.add_argument("--no-trim", action="store_true", help="run the decoder layers on every prefill row")
     common.add_engine_step_arguments(parser)
-    parser.add_argument("--world-size", type=int, default=1, metavar="N",
+    parser.add_argument("--world-size", type=common.in_range(at_least=1), default=1, metavar="N",
                         help="ranks (processes): data-parallel attention + expert parallelism (default 1)")
-    parser.add_argument("--rank-timeout", type=float, default=1800, metavar="S",
+    parser.add_argument("--rank-timeout", type=common.in_range(float, above=0), default=1800, metavar="S",
                         help="seconds a collective waits for the other ranks before the job fails; it must cover "
                              "the longest compile, which the other ranks wait out (default 1800)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
@@ -110,8 +117,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _check_world(args: argparse.Namespace, cfg) -> None:
-    if args.world_size < 1:
-        raise ToolError(f"--world-size must be >= 1, got {args.world_size}")
     if args.world_size > 1:
         if args.device == "cuda" and not (args.eager or args.no_cuda_graphs):
             raise ToolError("--world-size > 1 runs without CUDA graphs (the all-to-all waits on the host for the "
@@ -124,32 +129,54 @@ def _check_world(args: argparse.Namespace, cfg) -> None:
                             f"this machine has {torch.cuda.device_count()}")
 
 
+def _layout(args: argparse.Namespace, prompts: list[list[int]]) -> CacheLayout:
+    """A slot per running request (--slots, default one per prompt), each with room for the longest."""
+    longest = max(len(p) for p in prompts) + args.max_new_tokens
+    return CacheLayout.private(args.slots or len(prompts), longest, PAGE_SIZE)
+
+
+def request_size(cfg, args: argparse.Namespace, prompts: list[list[int]]) -> common.RequestSize:
+    """What one rank holds at once, at least: the weights, the cache of `_layout` and the engine's
+    first step, whose rows (min(--token-budget, the shortest prompt) or more: no prefix is cached
+    yet) each score every entry a request's pages can hold. One rank's share: a lower bound for
+    the job."""
+    layout = _layout(args, prompts)
+    rows = min(args.token_budget, min(len(p) for p in prompts))
+    return common.RequestSize(
+        f"{len(prompts)} requests of up to {layout.max_tokens} positions (prompt + --max-new-tokens "
+        f"{args.max_new_tokens}, pages of {PAGE_SIZE}) in {layout.slots} slots, --token-budget {args.token_budget}",
+        max(len(p) for p in prompts) + args.max_new_tokens, common.model_bytes(cfg), common.cache_bytes(cfg, layout),
+        common.activation_bytes(cfg, rows, layout.max_tokens, 1, step="eager" if args.eager else "compiled"),
+        "shorter prompts, fewer --slots or a smaller --token-budget")
+
+
 def _serve(rank: int, world: int, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     """Build the model and engine of `rank` of `world`, serve the prompts routed to it, and return
     its outputs (by prompt index), stats, expert range and engine description."""
-    cfg, model = common.load_model(args)
+    size = request_size(common.resolve_model_config(args), args, prompts)
+    cfg, model = common.load_model(args, size)
     experts = expert_range(cfg.n_experts, rank, world)
     if world > 1:
         shard_experts(model, rank, world)
     router = SessionRouter(world)
-    longest = max(len(p) for p in prompts) + max(args.max_new_tokens, 1)
-    layout = CacheLayout.private(args.slots or len(prompts), longest, PAGE_SIZE)
+    layout = _layout(args, prompts)
     sampling = SamplingParams(args.temperature, args.top_p, args.seed)
-    try:
-        engine = Engine(model, layout=layout, prefix_cache=not args.no_prefix_cache,
-                        swa_bounded_replay=not args.no_swa_bounded_replay, trim_decoder=not args.no_trim,
-                        token_budget=args.token_budget, **common.engine_step_options(args))
-        ids = {i: engine.add_request(p, args.max_new_tokens, sampling) for i, p in enumerate(prompts)
-               if router.route(i, len(p) + args.max_new_tokens) == rank}  # each prompt is its own session
-    except (RequestError, ValueError) as e:
-        raise ToolError(str(e)) from None
-    start, setup = time.perf_counter(), 0.0
-    if world > 1:
-        setup = step_together(engine)[1]
-    else:
-        while engine.waiting or engine.running:
-            engine.step()
-            setup += engine.setup_s
+    with common.out_of_memory_is_usage_error(size, args.device):
+        try:
+            engine = Engine(model, layout=layout, prefix_cache=not args.no_prefix_cache,
+                            swa_bounded_replay=not args.no_swa_bounded_replay, trim_decoder=not args.no_trim,
+                            token_budget=args.token_budget, **common.engine_step_options(args))
+            ids = {i: engine.add_request(p, args.max_new_tokens, sampling) for i, p in enumerate(prompts)
+                   if router.route(i, len(p) + args.max_new_tokens) == rank}  # each prompt is its own session
+        except (RequestError, ValueError) as e:
+            raise ToolError(str(e)) from None
+        start, setup = time.perf_counter(), 0.0
+        if world > 1:
+            setup = step_together(engine)[1]
+        else:
+            while engine.waiting or engine.running:
+                engine.step()
+                setup += engine.setup_s
     seconds = time.perf_counter() - start - setup  # serving time: compile and capture are setup_s
     runner = engine.step_runner
     return {"outputs": {i: engine.requests[r].output for i, r in ids.items()},
@@ -180,6 +207,10 @@ def _main(args: argparse.Namespace) -> int:
     prompts = _prompts(args, cfg)
     if not prompts:
         raise ToolError("no prompts given")
+    if not all(prompts):
+        raise ToolError(f"prompt {[len(p) for p in prompts].index(0)} is empty; a request needs at least one token")
+    if args.world_size == 1 or args.device == "cpu":  # refused before any work starts; GPU ranks check their own
+        common.check_fits(cfg, args.device, request_size(cfg, args, prompts))
     sampling = SamplingParams(args.temperature, args.top_p, args.seed)
     work = f"generating {args.max_new_tokens} tokens for {len(prompts)} requests"
     with common.step(work + (f" on {args.world_size} ranks" if args.world_size > 1 else "")):

@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_pass_arguments(parser)
     parser.add_argument("--show", metavar="NAME", help="print this kernel's source (a kernel name, a site's FX node or a unique prefix)")
     parser.add_argument("--out", metavar="DIR", help="write index.json, sources/ and graphs/ here")
-    parser.add_argument("--repeat", type=int, metavar="N", help="profiled forwards for CUDA timings (default 10; CPU: 1)")
+    parser.add_argument("--repeat", type=common.in_range(at_least=1), metavar="N", help="profiled forwards for CUDA timings (default 10; CPU: 1)")
     parser.add_argument("--json", metavar="PATH", help="write the kernel list as JSON ('-' for stdout)")
 
 

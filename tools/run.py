@@ -3,7 +3,8 @@
 What it does, in order:
 
 1. builds the model (`--config`: preset, config JSON or checkpoint directory) and a random prompt
-   per request, [B, T], from `--seed`; a byte cache (model/cache.py) with B request slots;
+   per request, [B, T], from `--seed`; a byte cache (model/cache.py) with B request slots. A run
+   the device cannot hold (weights, cache and the prefill step: `request_size`) is refused first;
 2. eager reference: one prefill step of the B prompts, then `--decode N` greedy decode steps of B
    rows each, through the model's batched step (`model.step`: model/batch.py), timed;
 3. compiles the engine's step (runtime.graphs.CompiledStep, without CUDA graphs) with the enabled
@@ -89,9 +90,10 @@ DEFAULT_TOLERANCE = {("float64", "ref"): 0.5,  # float64 is quant="ref" only (co
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_model_arguments(parser, prompt_len=8)
-    parser.add_argument("--decode", type=int, default=8, metavar="N", help="greedy decode steps (default 8)")
+    parser.add_argument("--decode", type=common.in_range(at_least=0), default=8, metavar="N",
+                        help="greedy decode steps (default 8)")
     common.add_pass_arguments(parser)
-    parser.add_argument("--tolerance", type=float, metavar="TOL",
+    parser.add_argument("--tolerance", type=common.in_range(float, at_least=0), metavar="TOL",
                         help="max abs logits error allowed before exit status 1 (default: "
                              + ", ".join(f"{v:g} for {d} quant={q}" for (d, q), v in DEFAULT_TOLERANCE.items())
                              + "; loose under quant=ref because fake quantisation moves a value by a whole "
@@ -132,6 +134,18 @@ def _timing(ttft: float, step_s: list[float], batch: int) -> dict:
             "tokens_per_s": batch / per_token if per_token else None}
 
 
+def request_size(cfg, batch: int, prompt_len: int, decode: int, layout: CacheLayout) -> common.RequestSize:
+    """What a run holds at once, at least: the weights, one cache of `layout` and the eager
+    reference's prefill step, whose batch x prompt_len rows each score every entry a request's
+    pages can hold and keep their logits."""
+    rows = batch * prompt_len
+    return common.RequestSize(
+        f"--batch {batch} x {prompt_len + decode} positions (--prompt-len {prompt_len} + --decode {decode})",
+        prompt_len + decode, common.model_bytes(cfg), common.cache_bytes(cfg, layout),
+        common.activation_bytes(cfg, rows, layout.max_tokens, rows, step="eager"),
+        "a smaller --batch, --prompt-len or --decode")
+
+
 def main(args: argparse.Namespace) -> int:
     with tables_to_stderr(args.json == "-"):
         return _main(args)
@@ -139,14 +153,14 @@ def main(args: argparse.Namespace) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     names = common.selected_passes(args)
-    common.check_sizes(args, prompt_len=1, batch=1, decode=0)
-    cfg, model = common.load_model(args)
     B, T, N = args.batch, args.prompt_len, args.decode
     L = T + N
+    layout = CacheLayout.private(B, L, PAGE_SIZE)
+    size = request_size(common.resolve_model_config(args), B, T, N, layout)
+    cfg, model = common.load_model(args, size)
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[cfg.dtype, cfg.quant]
     clock = Stopwatch(args.device)
     prompts = common.random_ids(cfg, B, T, args.seed, args.device).tolist()
-    layout = CacheLayout.private(B, L, PAGE_SIZE)
     buckets = {"prefill": [B * T, B * T]} | ({"decode": [B, B]} if N else {})
 
     def group():
@@ -161,7 +175,7 @@ def _main(args: argparse.Namespace) -> int:
                    + " and ".join(f"{k} [{max(v[0], 2)} rows]" for k, v in buckets.items()))
     console.print(header)
 
-    with torch.no_grad():
+    with torch.no_grad(), common.out_of_memory_is_usage_error(size, args.device):
         # 1. eager reference (one warm-up prefill first, so TTFT does not time one-off set-up)
         with step(f"eager: prefill {B}x{T} and {N} incremental decode steps"):
             group().step(model.step, [(i, T, True) for i in range(B)])

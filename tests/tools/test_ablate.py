@@ -1,13 +1,18 @@
 """`megafuse ablate` on tiny's roles (one SWA block and two swept passes, to keep the four compiles cheap):
 one row per configuration (with two passes "only a" is "all but b"),
-matches equal to each compile's pass report, profiler kernel counts that agree with them, a PNG."""
+matches equal to each compile's pass report, profiler kernel counts that agree with them; on CPU
+interpreter wall clock and no speed-up (table, JSON) nor chart; on CUDA speed-ups and a PNG; tables
+within 80 columns."""
 
 import json
+import re
 
 import matplotlib.image
 import pytest
 import torch
+from rich.console import Console
 
+from megafuse import passes
 from megafuse.tools import ablate
 from megafuse.tools.cli import main
 from megafuse.tools import common
@@ -35,7 +40,9 @@ def test_ablate_has_one_row_per_configuration_with_counts_from_the_report(ablati
     assert set(r) == ABLATE_KEYS and r["schema"] == "megafuse.ablate/1"
     for key in ABLATE_KEYS | ROW_KEYS:  # the schema is the one documented
         assert key in ablate.__doc__, key
-    assert r["passes"] == swept and r["target"] == "layer 0" and r["png"] == str(png)
+    assert r["passes"] == swept and r["target"] == "layer 0"
+    assert r["png"] is None and not png.exists()  # CPU: no chart
+    assert r["timing"] == {"method": ablate.INTERPRETER_TIMING, "indicative": True}
 
     # one row per distinct configuration; every configuration name maps to exactly one row
     expected = {"none", "all", *(f"only {p}" for p in swept), *(f"all but {p}" for p in swept)}
@@ -61,20 +68,80 @@ def test_ablate_has_one_row_per_configuration_with_counts_from_the_report(ablati
         assert row["kernel_time_us"]["inductor"] > 0 and all(t > 0 for t in row["kernel_time_us"].values())
         assert row["error"]["max_abs"] < 1e-3 and row["error"]["finite"]
         assert row["step_s"] > 0 and len(row["step_times_s"]) == 1
-        assert row["step_spread_s"] == [row["step_s"]] * 2 and not row["speedup_resolved"]  # one run resolves nothing
+        assert row["step_spread_s"] == [row["step_s"]] * 2 and row["step_method"] == ablate.INTERPRETER_TIMING
+        assert row["speedup_vs_none"] is None and not row["speedup_resolved"]  # interpreter times: no speed-up
     none, every = rows[r["configurations"]["none"]], rows[r["configurations"]["all"]]
-    assert none["matches"] == {} and none["speedup_vs_none"] == 1.0
+    assert none["matches"] == {}
     assert every["matches"]["mega_gate"] == 1 and sum(every["matches"].values()) >= 2
     assert every["kernels_per_forward"] < none["kernels_per_forward"]  # fusion cuts launches
 
+    captured = capsys.readouterr()
+    assert "megafuse ablate" in captured.out and "all but mega_gate" in captured.out and f"wrote {png}" not in captured.out
+    assert " ".join(captured.err.split()).count(
+        f"no chart ({png}) on CPU: its times are the Triton interpreter's wall clock, not a speed-up") == 1
+    fused, timed = ablate._tables(r)
+    headers = [str(column.header) for column in timed.columns]
+    assert headers == ["configuration", "interpreter wall ms\nmedian \\[min-max]", "max\n|err|", "top-1\nagree"]
+    assert "not a speed-up" in str(timed.title)
+    assert [str(column.header) for column in fused.columns] == ["configuration", *swept, "kernels\n/forward"]
+
+
+def _result(device: str, swept: list[str], step_s: list[list[float]]) -> dict:
+    """An ablate result with the given step times per row (the rest made up)."""
+    rows = ablate.configurations(swept)
+    for row, times in zip(rows, step_s, strict=True):
+        row.update(matches={p: 1 for p in row["passes"]}, kernels_per_forward=1234.0, step_times_s=times,
+                   step_s=sorted(times)[len(times) // 2], error={"max_abs": 1.25e-5, "top1_agreement": 0.875})
+    ablate.speedups(rows, device, len(step_s[0]))
+    method = "CUDA-graph replay (CUDA events)" if device == "cuda" else ablate.INTERPRETER_TIMING
+    return {"config": "tiny", "target": "model", "device": device, "batch": 2, "tokens": 8, "passes": swept,
+            "timing": {"method": method, "indicative": device != "cuda"}, "rows": rows}
+
+
+def test_speed_ups_are_the_no_pass_rows_time_over_each_rows_on_cuda_only():
+    swept = ["mega_mhc", "mega_gate"]  # rows: none, only mhc = all but gate, only gate = all but mhc, all
+    times = [[4.0, 4.1, 4.2], [2.0, 2.1, 2.2], [3.9, 4.0, 4.15], [1.0, 1.05, 1.1]]
+    rows = _result("cuda", swept, times)["rows"]
+    assert [r["speedup_vs_none"] for r in rows] == [1.0, 4.1 / 2.1, 4.1 / 4.0, 4.1 / 1.05]
+    # resolved only where the spreads do not overlap none's [4.0, 4.2]: not the row of [3.9, 4.15]
+    assert [r["speedup_resolved"] for r in rows] == [False, True, False, True]
+    assert [r["step_spread_s"] for r in rows] == [[t[0], t[-1]] for t in times]
+    for r in _result("cpu", swept, times)["rows"]:
+        assert r["speedup_vs_none"] is None and not r["speedup_resolved"]
+    assert not any(r["speedup_resolved"] for r in _result("cuda", swept, [t[:2] for t in times])["rows"])  # < MIN_RUNS
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_both_tables_fit_80_columns_with_every_registered_pass_and_nothing_cut(device):
+    swept = passes.registry.available()
+    n = len(ablate.configurations(swept))
+    # the widest times: 12.35 ms [12.34-98.77] (five characters each); the last row within none's spread
+    result = _result(device, swept, [[0.01234, 0.012345, 0.09877]] + [[0.001, 0.002, 0.003]] * (n - 2)
+                     + [[0.05, 0.06, 0.07]])
+    console = Console(width=80, record=True)
+    for table in ablate._tables(result):
+        console.print(table)
+    text = console.export_text()
+    assert max(map(len, text.splitlines())) <= 80 and "…" not in text
+    assert "12.35 [12.34-98.77]" in text and "2.00 [1.00-3.00]" in text and "1234" in text and "88%" in text
+    speedups = re.findall(r"\d\.\d\dx", text)
+    if device == "cuda":  # none's 1.00x, the resolved rows' 6.17x, the last row unresolved
+        assert speedups == ["1.00x"] + ["6.17x"] * (n - 2) and text.count("unresolved") == 1
+    else:  # no speed-up column
+        assert speedups == [] and "vs none" not in text and "unresolved" not in text
+    for row in result["rows"]:
+        for name in row["names"]:
+            assert name in text
+
+
+def test_the_chart_on_cuda_draws_a_bar_per_row(tmp_path):
+    result = _result("cuda", ["mega_mhc", "mega_gate"], [[4.0, 4.1, 4.2], [2.0, 2.1, 2.2], [3.9, 4.0, 4.15], [1.0, 1.05, 1.1]])
+    png = tmp_path / "ablate.png"
+    ablate._chart(result, str(png))
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     image = matplotlib.image.imread(str(png))
     assert image.shape[0] > 200 and image.shape[1] > 400 and image.std() > 0.05
-    printed = capsys.readouterr().out
-    assert "megafuse ablate" in printed and "all but mega_gate" in printed and f"wrote {png}" in printed
-    cells = [cell for column in ablate._table(r).columns for cell in column._cells]
-    assert cells.count("unresolved") == len(rows) - 1  # one run each: no speed-up is resolved
 
 
 @pytest.mark.parametrize("device, name, owner", [
@@ -101,7 +168,7 @@ def test_the_heaviest_kernels_add_up_to_their_launchers_time(monkeypatch):
             h = torch.relu(x @ w)
             return (h - h.amax(-1, keepdim=True)).exp() * 2
     x, w = torch.randn(64, 32), torch.randn(32, 48)
-    compiled = common.compile_model(Module(), [], "cpu")
+    compiled = common.compile_model(Module().eval(), [], "cpu")
     compiled(x, w)
     counted = common.count_kernels(compiled, (x, w), "cpu", forwards=3)
     heaviest = counted["heaviest"]

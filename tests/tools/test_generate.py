@@ -34,8 +34,8 @@ def test_generate_names_bad_prompts(capsys):
     assert "--prompt takes comma-separated integers" in capsys.readouterr().err
     assert main(["generate", "--config", "tiny", "--prompt", "1,5000", "--max-new-tokens", "2"]) == 2
     assert "token ids [5000] lie outside 0..1023" in capsys.readouterr().err
-    assert main(["generate", "--config", "tiny", "--prompt", "1,2", "--temperature", "-1"]) == 2
-    assert "temperature must be >= 0" in capsys.readouterr().err
+    assert main(["generate", "--config", "tiny", "--prompt", "1,", "--prompt", ","]) == 2
+    assert "prompt 1 is empty; a request needs at least one token" in capsys.readouterr().err
 
 
 def test_generate_over_two_ranks_returns_the_one_rank_tokens(capsys):
@@ -58,5 +58,3 @@ def test_generate_over_two_ranks_returns_the_one_rank_tokens(capsys):
 def test_generate_names_bad_world_sizes(capsys):
     assert main(["generate", "--config", "tiny", "--prompt", "1,2", "--world-size", "9", "--eager"]) == 2
     assert "--world-size 9 exceeds the 8 routed experts of tiny" in capsys.readouterr().err
-    assert main(["generate", "--config", "tiny", "--prompt", "1,2", "--world-size", "0"]) == 2
-    assert "--world-size must be >= 1" in capsys.readouterr().err
