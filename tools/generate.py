@@ -143,7 +143,7 @@ def request_size(cfg, args: argparse.Namespace, prompts: list[list[int]]) -> com
     layout = _layout(args, prompts)
     rows = min(args.token_budget, min(len(p) for p in prompts))
     return common.RequestSize(
-        f"{len(prompts)} requests of up to {layout.max_tokens} positions (prompt + --max-new-tokens "
+        f"{len(prompts)} request{'s' if len(prompts) > 1 else ''} of up to {layout.max_tokens} positions (prompt + --max-new-tokens "
         f"{args.max_new_tokens}, pages of {PAGE_SIZE}) in {layout.slots} slots, --token-budget {args.token_budget}",
         max(len(p) for p in prompts) + args.max_new_tokens, common.model_bytes(cfg), common.cache_bytes(cfg, layout),
         common.activation_bytes(cfg, rows, layout.max_tokens, 1, step="eager" if args.eager else "compiled"),
@@ -212,7 +212,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.world_size == 1 or args.device == "cpu":  # refused before any work starts; GPU ranks check their own
         common.check_fits(cfg, args.device, request_size(cfg, args, prompts))
     sampling = SamplingParams(args.temperature, args.top_p, args.seed)
-    work = f"generating {args.max_new_tokens} tokens for {len(prompts)} requests"
+    work = f"generating {args.max_new_tokens} tokens for {len(prompts)} request{'s' if len(prompts) > 1 else ''}"
     with common.step(work + (f" on {args.world_size} ranks" if args.world_size > 1 else "")):
         if args.world_size == 1:
             ranks = [_serve(0, 1, args, prompts)]
