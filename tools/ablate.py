@@ -23,28 +23,7 @@ Output: two rich tables that fit 80 columns (matches and kernels; time, speed-up
 `--json PATH` and, on CUDA, a PNG bar chart of speed-up vs no passes (`--png`). On CPU no chart is
 drawn (an interpreter's times are not a speed-up) and a line on stderr says so.
 
-JSON, schema "megafuse.ablate/1":
-
-    schema          "megafuse.ablate/1"
-    config, dtype, quant, device        str
-    target          "model" | "layer N"
-    compared        "logits" | "the block's output streams"   what `error` compares
-    batch, tokens, seed, repeat         int
-    passes          [str]   the swept passes, registry order
-    timing          {method: str, indicative: bool}
-    kernel_count    {method: str}
-    configurations  {name: row index}   every configuration name ("none", "only a", "all but a", "all")
-    rows            [{names: [str], passes: [str],
-                      matches: {pass: int}           (enabled passes only; == report.counts)
-                      report: CompileReport.to_dict(),
-                      kernels_per_forward: float, kernels: {inductor, megafuse, other: float},
-                      kernel_time_us: {pass | "inductor" | "other": float}   per forward,
-                      compile_s: float, step_s: float, step_times_s: [float], step_method: str,
-                      step_spread_s: [min, max], speedup_vs_none: float | null   (null on CPU),
-                      speedup_resolved: bool   (CUDA, >= MIN_RUNS forwards, this row's and none's spreads apart)
-                      error: {positions, max_abs, cosine_min, cosine_mean, top1_agreement, finite}}]
-    png             str | null   (null on CPU: no chart is drawn)
-    environment     {date, python, torch, triton, device}
+JSON (`--json PATH`, '-' for stdout): schema "megafuse.ablate/1", documented in docs/tools.md.
 """
 
 from __future__ import annotations

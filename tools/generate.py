@@ -15,26 +15,7 @@ expert parallelism (each rank a contiguous shard of the routed experts, slots ex
 all-to-all), over gloo on CPUs and NCCL on GPUs (rank r on cuda:r). The step runs compiled or eager,
 without CUDA graphs; a rank that fails ends the job with the rank and the reason named.
 
-JSON (`--json PATH`, '-' for stdout), schema "megafuse.generate/3":
-
-    schema          "megafuse.generate/3"
-    config, dtype, quant, device        str
-    engine          {prefix_cache, swa_bounded_replay, trim_decoder: bool, token_budget: int,
-                     cache: {slots, pages, page_size, max_pages}, step: "compiled" | "eager",
-                     passes: [str] | null, cuda_graphs: bool, buckets: [int] | null,
-                     graphs: {buckets, first_run_s, graphs, graphs_from_cache, compile_s, captures, capture_s,
-                             graph_bytes} | null,
-                     counts: {pass: matches} | null}      (null: the eager step)
-    sampling        {temperature, top_p, seed}
-    requests        [{prompt_len: int, output: [int]}]
-    stats           {steps, prefix_hits, hit_tokens, replayed_tokens, trimmed_tokens, preemptions,
-                     evictions: int, setup_s: float (compile and capture), seconds: float (the rest),
-                     output_tokens_per_s: float}      (summed over the ranks; steps and seconds: the
-                                                       slowest rank's, since the ranks step together)
-    world_size      int
-    ranks           [{rank, experts: [first, end), requests: [int] (indices into requests), stats}]
-                     (one entry per rank; with world_size 1, the whole model on one)
-    environment     {date, python, torch, triton, device}
+JSON (`--json PATH`, '-' for stdout): schema "megafuse.generate/3", documented in docs/tools.md.
 """
 
 from __future__ import annotations

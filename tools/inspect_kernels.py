@@ -38,29 +38,7 @@ node, or a unique prefix such as the pass name). `--out DIR` writes DIR/index.js
 below), DIR/sources/<kernel>.py (copies of the sources) and DIR/graphs/ (each compiled graph
 before and after each pass, from passes.compile(dump_dir=...)).
 
-JSON (`--json PATH`, and DIR/index.json), schema "megafuse.inspect/1":
-
-    schema          "megafuse.inspect/1"
-    config, dtype, quant, device        str
-    target          "model" | "layer N"
-    batch, tokens, seed                 int
-    passes          [str]   enabled passes
-    counts          {pass: matches}    == report.counts
-    report          CompileReport.to_dict()
-    kernels         [{name, pass, op, spec: {...}, spec_key: str, source: str (path), kernel_attr: str,
-                      copied_source: str | null (under --out),
-                      sites: [{node, replaced: [str], sources: ["file:line"]}],
-                      model_sources: ["file:line"]   (union over sites, in order),
-                      launches_per_forward: float,
-                      time: {method: str, per_launch_s: float | null},
-                      bytes_per_launch: int | null, floor_s: float | null, floor_fraction: float | null,
-                      floor_note: str,
-                      triton: [{n_regs, n_spills, shared_bytes, num_warps, num_stages}] | null,
-                      triton_note: str,
-                      hopper_build: {target, registers, stack_bytes, shared_bytes, num_warps, num_stages,
-                                     programs, config: {...}} | {note: str} | null   (CPU only)}]
-    graphs          [str]   dumped graph files (under --out), else []
-    environment     {date, python, torch, triton, device}
+JSON (`--json PATH`, '-' for stdout): schema "megafuse.inspect/1", documented in docs/tools.md.
 """
 
 from __future__ import annotations

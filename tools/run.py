@@ -28,31 +28,7 @@ What it does, in order:
 
 The prefill runs without the decoder trim, so the comparison covers every prompt position.
 
-JSON (`--json PATH`, '-' for stdout), schema "megafuse.run/2":
-
-    schema          "megafuse.run/2"
-    config, dtype, quant, device        str
-    batch, prompt_len, decode_steps, seed, seq_len        int   (seq_len = prompt_len + decode_steps)
-    passes          [str]   enabled passes, registry order
-    parameters      {total, backbone, engram_tables, routed_experts, activated_per_token}
-    cache           {page_size, pages, slots, bytes: {swa, global_kv, index_keys, compressor}}
-    graph           {buckets: {prefill: [rows, decoder rows], decode: [rows, decoder rows]}, note: str,
-                     compile_s: float (the warm-up prefill + decode, compiles included),
-                     graphs_compiled: int, graphs_from_cache: int, graph_blocks: [[layer names]]}
-    counts          {pass: matches}   == report.counts
-    report          CompileReport.to_dict(): {passes, graphs, counts,
-                     per_pass: {pass: {matches: [{op, node, spec, replaced, sources}],
-                                       rejections: [{anchor, reason, source}], time_s}}}
-    comparison      {prompt: M, steps: [M + {step: k, eager_token: [B], compiled_token: [B]}],
-                     overall: M, tolerance: float, passed: bool}
-                    M = {positions, max_abs, cosine_min, cosine_mean, top1_agreement, finite}
-    timing          {method: str, indicative: bool,
-                     eager:    {ttft_s, step_s: [N], per_token_s, tokens_per_s},
-                     compiled: {ttft_s, step_s: [N], per_token_s, tokens_per_s}}
-                                    per_token_s = median step time (null without decode); tokens_per_s = batch / per_token_s
-    generated       {eager: [B][N+1], compiled: [B][N+1]}   first token + one per step
-    exit_status     0 | 1
-    environment     {date, python, torch, triton, device}
+JSON (`--json PATH`, '-' for stdout): schema "megafuse.run/2", documented in docs/tools.md.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ import json
 import torch
 
 from megafuse.model import build_model, preset
-from megafuse.tools import generate
 from megafuse.tools.cli import main
+from tests.tools.schemas import documented_schema
 
 
 def test_generate_in_exact_mode_returns_the_plain_models_greedy_tokens(tmp_path, capsys):
@@ -18,7 +18,7 @@ def test_generate_in_exact_mode_returns_the_plain_models_greedy_tokens(tmp_path,
     r = json.loads(capsys.readouterr().out)
     assert r["schema"] == "megafuse.generate/3"
     for key in ("engine", "sampling", "requests", "stats", "environment", "output_tokens_per_s", "evictions"):
-        assert key in generate.__doc__ and key in json.dumps(r), key
+        assert key in documented_schema("megafuse.generate/3") and key in json.dumps(r), key
     model = build_model(preset("tiny").replace(quant="none"), seed=0)
     for prompt, request in zip(prompts, r["requests"]):
         tokens = list(prompt)
@@ -52,7 +52,7 @@ def test_generate_over_two_ranks_returns_the_one_rank_tokens(capsys):
     assert [(r["experts"], r["requests"]) for r in two["ranks"]] == [([0, 4], [0, 2]), ([4, 8], [1])]
     assert two["stats"]["steps"] == max(r["stats"]["steps"] for r in two["ranks"])
     for key in ("world_size", "ranks"):
-        assert key in generate.__doc__
+        assert key in documented_schema("megafuse.generate/3")
 
 
 def test_generate_names_bad_world_sizes(capsys):
