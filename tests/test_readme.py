@@ -5,6 +5,7 @@ command lines."""
 import contextlib
 import importlib
 import io
+import json
 import re
 import shlex
 from pathlib import Path
@@ -74,6 +75,30 @@ def readme_commands() -> list[list[str]]:
     return [argv for argv in commands if len(argv) > 1 and not argv[1].startswith("<")]
 
 
+def help_examples() -> list[list[str]]:
+    """Every command of every tool's `--help` examples, as argv (comments dropped)."""
+    from megafuse.tools.cli import TOOLS
+
+    commands = []
+    for module, _ in TOOLS.values():
+        for line in importlib.import_module(module).EXAMPLES.splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("megafuse "):
+                commands.append(shlex.split(line))
+    return commands
+
+
+def runs_here(argv: list[str]) -> str | None:
+    """Why a command is only parsed here, not run (None: it runs in this test)."""
+    if "cuda" in argv:
+        return "needs a GPU"
+    if argv[1] in ("run", "ablate", "inspect") or (argv[1] == "generate" and "--eager" not in argv):
+        return f"compiles tiny (minutes on a CPU): tests/tools/test_{argv[1]}.py runs the tool on tiny's roles"
+    if argv[1] == "bench-serve":
+        return "tests/tools/test_bench_serve.py runs each of its examples"
+    return None
+
+
 def test_every_readme_command_is_a_valid_command_line():
     # each command parses with the real CLI (tool names, flags and choices as the README writes
     # them); `info` runs; `megafuse run --config tiny` is what tests/tools/test_run.py runs and
@@ -86,7 +111,7 @@ def test_every_readme_command_is_a_valid_command_line():
     parser = build_parser()
     for argv in commands:
         if argv[0] == "megafuse":
-            if argv[1:] == ["--help"]:
+            if argv[1] in ("--help", "--version"):
                 continue
             args = parser.parse_args(argv[1:])
             assert args.tool == argv[1]
@@ -97,3 +122,26 @@ def test_every_readme_command_is_a_valid_command_line():
                     module.main(argv[3:] + ["--help"])
             assert exit_.value.code == 0, argv
     assert main(["info", "--config", "flash"]) == 0
+
+
+@pytest.mark.slow  # the eager generate examples serve tiny, one over two processes
+def test_every_help_example_parses_and_the_ones_without_a_compile_run_as_written(tmp_path, monkeypatch, capsys):
+    from megafuse.model import build_model, preset
+    from megafuse.model.checkpoint import save_checkpoint
+    from megafuse.tools.cli import build_parser, main
+
+    # the files the examples name, in the folder they run in
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.json").write_text(json.dumps(preset("tiny").to_dict()))
+    (tmp_path / "prompts.json").write_text(json.dumps([[1, 2, 3], [4, 5, 6, 7]]))
+    save_checkpoint(build_model(preset("tiny"), seed=0), tmp_path / "checkpoint_dir")
+
+    parser, ran = build_parser(), []
+    for argv in help_examples():
+        args = parser.parse_args(argv[1:])
+        assert args.tool == argv[1], argv
+        if runs_here(argv) is None:
+            assert main(argv[1:]) == 0, argv
+            ran.append(argv[1])
+    capsys.readouterr()
+    assert ran.count("info") == 3 and ran.count("generate") == 4, ran

@@ -41,9 +41,9 @@ from .output import ToolError, console, environment, tables_to_stderr, write_jso
 EXAMPLES = """examples:
   megafuse generate --config tiny --prompt 1,2,3 --prompt 4,5 --max-new-tokens 8 --eager
   megafuse generate --config proxy --device cuda --batch 8 --prompt-len 512   # compiled, CUDA graphs
-  megafuse generate --config tiny --batch 4 --prompt-len 100 --json -
-  megafuse generate --config tiny --prompts prompts.json --temperature 0.8 --top-p 0.9 --seed 1
-  megafuse generate --config tiny --prompt 1,2,3 --no-swa-bounded-replay --no-trim   # exact mode
+  megafuse generate --config tiny --batch 4 --prompt-len 100 --json -      # compiled with the passes
+  megafuse generate --config tiny --prompts prompts.json --temperature 0.8 --top-p 0.9 --seed 1 --eager
+  megafuse generate --config tiny --prompt 1,2,3 --no-swa-bounded-replay --no-trim --eager   # exact mode
   megafuse generate --config tiny --batch 4 --eager --world-size 2   # 2 ranks: DP attention + EP experts
 """
 
