@@ -23,7 +23,7 @@ requests (a prefix hit) as long as none of them writes it. The last slot and the
 are scratch: padding rows and rows that must not write (replayed tokens) write there, so every
 step scatters with fixed shapes and no data-dependent branch.
 
-Row formats follow the config's `quant` (MODEL.md section 6):
+Row formats follow the config's `quant` (docs/model.md section 6):
 
 | quant | SWA row (K = V) | global KV row | index key row |
 |---|---|---|---|

@@ -1,6 +1,6 @@
 """Model configuration: one frozen dataclass, three presets, and the rules that make a config valid.
 
-The presets (see `shared/design/MODEL.md` section 1):
+The presets (see `docs/model.md` section 1):
 
     tiny   every layer kind and rule of the full model at a few million parameters (CPU tests)
     proxy  the full per-layer widths of V4.1-Flash with the fewest layers that keep one layer of
@@ -33,7 +33,7 @@ QUANT_MODES = ("ref", "none")
 DTYPES = ("bfloat16", "float32", "float64")
 ROLES = ("swa", "full", "reindex", "reuse")
 
-# Block sizes of the quantisation formats (MODEL.md section 6); the dims they cut must divide.
+# Block sizes of the quantisation formats (docs/model.md section 6); the dims they cut must divide.
 FP8_BLOCK = 32
 FP4_BLOCK = 16
 MXFP4_BLOCK = 32
@@ -80,7 +80,7 @@ class ModelConfig:
     index_source_layers: tuple[int, ...] = (2, 4, 6, 9)
     candidate_blocks: int = 4
     candidate_block_size: int = 2
-    # Decoder trim (MODEL.md Decision 2): False trims from layer L/2 + 1; True also runs layer L/2's
+    # Decoder trim (docs/model.md Decision 2): False trims from layer L/2 + 1; True also runs layer L/2's
     # query, attention and FFN on the decoder rows only (its compressor and index keys on every row)
     trim_kv_layer: bool = False
     index_heads: int = 4
@@ -238,7 +238,7 @@ def validate(cfg: ModelConfig) -> None:
         if cfg.rope_dim > getattr(cfg, name):
             _fail(cfg, "rope_dim", f"{cfg.rope_dim} exceeds {name}={getattr(cfg, name)}")
 
-    # Quantisation block sizes must divide the dims they cut (MODEL.md section 6).
+    # Quantisation block sizes must divide the dims they cut (docs/model.md section 6).
     # (MXFP8 quantises the input of every FP8 GEMM along its K: dim, q_lora_rank, head_dim, expert_dim, o_lora_rank.)
     for name, block, fmt in (("dim", FP8_BLOCK, "MXFP8 activation"),
                              ("q_lora_rank", FP8_BLOCK, "MXFP8 activation"),
@@ -390,7 +390,7 @@ _HF_IGNORED = {
     "num_nextn_predict_layers": "the MTP draft layers are not modelled",
     "quantization_config": "the weights' storage format; the model's numerics are `quant`",
     "engram_num_embeddings": "each Engram layer's table rows follow from the primes >= engram_vocab_size",
-    "engram_pad_token_id": "the Engram hash pads with its own id, one past the compressed vocabulary (MODEL.md s.7)",
+    "engram_pad_token_id": "the Engram hash pads with its own id, one past the compressed vocabulary (docs/model.md section 7)",
 }
 # HF's bookkeeping: no effect on the maths.
 _HF_BOOKKEEPING = frozenset({

@@ -11,7 +11,7 @@ Each `step()`:
 2. then prefill chunks, FCFS, under `token_budget` rows: a request is admitted when a slot is free;
    with the prefix cache its longest cached run of full pages is reused and it replays from
    `replay_start = H - min(W, H)` (bounded) or `H - min(L x W, H)` (exact: swa_bounded_replay=False),
-   MODEL.md section 8;
+   docs/model.md section 8;
 3. pages for the new positions come from the free list, then from evicting cached pages no request
    holds (LRU); when none are left the newest running request admitted after the one in need is
    preempted: its pages and slot are released and it goes back to the front of the queue to be
