@@ -8,6 +8,7 @@ import re
 import pytest
 
 from megafuse import passes
+from megafuse.runtime.graphs import CompiledStep
 from megafuse.tools import run
 from megafuse.tools.cli import main
 from tests.tools.schemas import documented_schema
@@ -84,16 +85,42 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, tiny, ti
         assert re.search(rf"│ {name}\s+│ {r['counts'][name]}\s+│ 0\s+│", captured.out), name
 
 
-def test_run_exit_status_follows_the_tolerance(tiny_config, capsys):
-    # prompt 6, no decode: the graphs compiled above, from Inductor's cache
-    status = main(["run", "--config", tiny_config, "--prompt-len", "6", "--decode", "0", "--tolerance", "0", "--json", "-"])
-    captured = capsys.readouterr()
-    r = json.loads(captured.out)  # JSON alone on stdout, the tables went to stderr
-    exceeded = r["comparison"]["overall"]["max_abs"] > 0
-    assert status == r["exit_status"] == (1 if exceeded else 0)
-    assert r["comparison"]["passed"] is not exceeded
+def _logit_bound(model) -> float:
+    """The largest |logit| any evaluation of the model's head can give, from its weights alone: the
+    head is y @ W^T with y = rms_normalize(x) * g, and rms_normalize leaves a row of mean square at
+    most 1, so ||y|| <= sqrt(dim) max|g| and |logit_v| <= ||W_v|| sqrt(dim) max|g| (Cauchy-Schwarz),
+    whatever the layers before it computed."""
+    rows = model.head.weight.double().norm(dim=1)
+    return (rows.max() * model.cfg.dim ** 0.5 * model.norm.weight.double().abs().max()).item()
+
+
+def _shifted(offset: float):
+    """The runtime's compiled step with every logit it returns moved by `offset`."""
+    class ShiftedStep(CompiledStep):
+        def run(self, batch, cache):
+            return super().run(batch, cache) + offset
+    return ShiftedStep
+
+
+def test_run_exit_status_follows_the_tolerance(tiny, tiny_config, capsys, monkeypatch):
+    # The compiled step's logits are moved by a known offset. Eager's and the compiled step's own
+    # logits both lie within +-bound (`_logit_bound`, from the weights), so the max |error| the tool
+    # measures is offset +- 2 bound, whatever the kernels' rounding did: with offset = 8 bound it
+    # exceeds offset / 2 (exit 1) and stays under 2 offset (exit 0). The graphs compiled above, from
+    # Inductor's cache; prompt 6, no decode.
+    bound = _logit_bound(tiny)
+    offset = 8 * bound
+    monkeypatch.setattr(run, "CompiledStep", _shifted(offset))
+    for tolerance, status in ((offset / 2, 1), (2 * offset, 0)):
+        argv = ["run", "--config", tiny_config, "--prompt-len", "6", "--decode", "0", "--tolerance", repr(tolerance)]
+        assert main([*argv, "--json", "-"]) == status
+        captured = capsys.readouterr()
+        r = json.loads(captured.out)  # JSON alone on stdout, the tables went to stderr
+        assert r["exit_status"] == status and r["comparison"]["passed"] is (status == 0)
+        assert r["comparison"]["tolerance"] == tolerance
+        assert offset - 2 * bound <= r["comparison"]["overall"]["max_abs"] <= offset + 2 * bound
+        assert ("PASS" if status == 0 else "FAIL") in captured.err
     assert r["comparison"]["steps"] == [] and r["timing"]["compiled"]["per_token_s"] is None
-    assert ("FAIL" if exceeded else "PASS") in captured.err
 
 
 def test_run_takes_a_config_json_or_a_checkpoint_directory(tmp_path, tiny, capsys):
