@@ -1,9 +1,13 @@
 """`megafuse bench-serve`: the agentic workload through the engine, once per configuration.
 
-Every configuration serves the same seeded workload (runtime/workload.py) in one process:
+Every configuration serves the same seeded workload (runtime/workload.py) in one process. `--scale`
+sizes it: `full` is the workload docs/serving.md describes (first contexts of 5K-131K tokens: a GPU's), `small` scales every
+token length by 0.01 over 4 sessions x 2 turns (the eager `tiny` on a CPU); `--sessions`, `--turns`,
+`--system-prompt`, `--context` and `--tool-result` replace the scale's value, `--output-cap` clips
+every output.
 
     no-prefix-cache    every turn prefills its whole context
-    exact-replay       prefix cache, replay of L x W tokens on a hit, no trim (exact: RUNTIME.md 1)
+    exact-replay       prefix cache, replay of L x W tokens on a hit, no trim (exact: docs/serving.md, invariant 1)
     bounded-replay     prefix cache, replay of W tokens, trimmed decoder (the seed's configuration)
     bounded-no-trim    prefix cache, replay of W tokens, every prefill row through the decoder
     bounded-no-graphs  bounded-replay with the compiled regions run without CUDA graphs
@@ -12,8 +16,9 @@ Every configuration serves the same seeded workload (runtime/workload.py) in one
 The step is compiled with the passes (`--passes`, `--no-<pass>`) once per padded bucket
 (`--buckets`) and, on a GPU, captured as CUDA graphs; configurations with the same passes share
 the compiled step and its graphs, so compile and capture happen once (reported under "steps").
-`--eager` runs every configuration on the uncompiled step (quick CPU runs; the last two
-configurations need the compiled step and are refused with it).
+`--eager` runs the configurations on the uncompiled step (quick CPU runs). The last two compare
+compiled steps, so under `--eager` the default set leaves them out (a line on stderr says so) and
+naming them in `--configs` is an error.
 
 Time is simulated from measured step times: the clock advances by each step's wall time (CUDA
 events on a GPU), a turn arrives at its session's arrival or `think_time_s` after its previous
@@ -23,10 +28,10 @@ serving time. TTFT is first token - arrival; the time per output token is (last 
 (outputs - 1); the output rate per user is its inverse, and per GPU the outputs over the whole
 run's time.
 
-JSON (`--json PATH`), schema "megafuse.bench_serve/2":
+JSON (`--json PATH`), schema "megafuse.bench_serve/3":
 
     schema, config, dtype, quant, device     str
-    workload        the AgenticWorkload fields, plus output_cap
+    workload        {scale} | the AgenticWorkload fields | {output_cap}
     cache           {slots, pages, page_size, max_pages}
     step            {mode: "compiled" | "eager", buckets: [int] | null}
     prefill_probe   {tokens, steps, trim_ttft_s, no_trim_ttft_s, trim_speedup}   (with --prefill-probe)
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 import torch
 from rich.table import Table
@@ -52,7 +58,7 @@ from rich.table import Table
 from megafuse.model import CacheLayout
 from megafuse.runtime import Engine
 from megafuse.runtime.graphs import CompiledStep, default_buckets
-from megafuse.runtime.workload import AgenticWorkload
+from megafuse.runtime.workload import SCALES, AgenticWorkload
 
 from . import common
 from .output import ToolError, console, environment, write_json
@@ -68,8 +74,9 @@ CONFIGURATIONS = {
 NEEDS_COMPILED = ("cuda_graphs", "passes")  # flags that only mean something for the compiled step
 
 EXAMPLES = """examples:
-  megafuse bench-serve --config tiny --sessions 4 --turns 2 --context-cap 200 --output-cap 8 --eager
-  megafuse bench-serve --config flash-lite --device cuda --sessions 8 --context-cap 32768 --json serve.json --png serve.png
+  megafuse bench-serve --config tiny --scale small --eager
+  megafuse bench-serve --config tiny --scale small --eager --configs bounded-replay --sessions 2 --json serve.json --png serve.png
+  megafuse bench-serve --config flash-lite --device cuda --context 5000 32768 --output-cap 64 --json serve.json --png serve.png
 """
 
 
@@ -78,20 +85,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload (default 0)")
     parser.add_argument("--workload", default="agentic", choices=("agentic",))
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--system-prompt", type=int, default=2000, metavar="TOKENS")
-    parser.add_argument("--context-cap", type=int, metavar="TOKENS", help="clip first-turn contexts (scale)")
-    parser.add_argument("--tool-result", type=int, nargs=2, default=(500, 4000), metavar=("LOW", "HIGH"))
-    parser.add_argument("--output-cap", type=int, metavar="TOKENS", help="clip output lengths (scale)")
-    parser.add_argument("--arrival-rate", type=float, default=0.5, help="sessions per second (default 0.5)")
-    parser.add_argument("--think-time", type=float, default=1.0, metavar="S")
-    parser.add_argument("--configs", default=",".join(CONFIGURATIONS),
-                        help=f"comma-separated subset of {', '.join(CONFIGURATIONS)}")
-    parser.add_argument("--slots", type=int, default=8, help="requests running at once (default 8)")
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--token-budget", type=int, default=4096, help="rows per step (default 4096)")
-    parser.add_argument("--prefill-probe", type=int, metavar="TOKENS",
+    scales = "; ".join(f"{name}: {AgenticWorkload.at_scale(name, vocab_size=1).describe()}" for name in SCALES)
+    parser.add_argument("--scale", default="full", choices=tuple(SCALES),
+                        help=f"the workload's size, every token length scaled alike (default full). {scales}. "
+                             "The flags below replace the scale's value, in tokens as written")
+    parser.add_argument("--sessions", type=common.in_range(at_least=1), metavar="N", help="sessions (default: the scale's)")
+    parser.add_argument("--turns", type=common.in_range(at_least=1), metavar="N", help="turns a session (default: the scale's)")
+    parser.add_argument("--system-prompt", type=common.in_range(at_least=0), metavar="TOKENS", help="the shared system prompt (default: the scale's)")
+    parser.add_argument("--context", type=common.in_range(at_least=1), nargs=2, metavar=("LOW", "HIGH"),
+                        help="first contexts, log-uniform in [LOW, HIGH] (default: the scale's)")
+    parser.add_argument("--tool-result", type=common.in_range(at_least=1), nargs=2, metavar=("LOW", "HIGH"),
+                        help="tool results, uniform in [LOW, HIGH] (default: the scale's)")
+    parser.add_argument("--output-cap", type=common.in_range(at_least=1), metavar="TOKENS", help="clip every output length")
+    parser.add_argument("--arrival-rate", type=common.in_range(float, above=0), default=0.5, help="sessions per second (default 0.5)")
+    parser.add_argument("--think-time", type=common.in_range(float, at_least=0), default=1.0, metavar="S")
+    parser.add_argument("--configs", help=f"comma-separated subset of {', '.join(CONFIGURATIONS)} (default: every "
+                                          f"one; under --eager those that run uncompiled)")
+    parser.add_argument("--slots", type=common.in_range(at_least=1), default=8, help="requests running at once (default 8)")
+    parser.add_argument("--page-size", type=common.in_range(at_least=1), default=64)
+    parser.add_argument("--token-budget", type=common.in_range(at_least=1), default=4096, help="rows per step (default 4096)")
+    parser.add_argument("--prefill-probe", type=common.in_range(at_least=2), metavar="TOKENS",
                         help="also time one TOKENS-token prompt's prefill on an idle engine, trimmed and not")
     parser.add_argument("--buckets", type=common.positive_ints, metavar="N,N,..",
                         help="padded row counts of the compiled step (default: powers of two from 2, then the budget; each >= 2)")
@@ -189,25 +202,50 @@ def _plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(args: argparse.Namespace) -> int:
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+def eager_configurations() -> list[str]:
+    """The configurations the eager step can run: those that compare no compiled steps."""
+    return [n for n, flags in CONFIGURATIONS.items() if not any(k in flags for k in NEEDS_COMPILED)]
+
+
+def _configurations(args: argparse.Namespace) -> list[str]:
+    """--configs, or every configuration the step can run. Under --eager the default leaves out
+    those that compare compiled steps and says so on stderr; naming one in --configs is an error."""
+    runnable = eager_configurations() if args.eager else list(CONFIGURATIONS)
+    if args.configs is None:
+        left_out = [n for n in CONFIGURATIONS if n not in runnable]
+        if left_out:
+            print(f"megafuse bench-serve: --eager runs the step uncompiled, so {', '.join(left_out)} (they compare "
+                  f"compiled steps) are left out", file=sys.stderr)
+        return runnable
+    names = list(dict.fromkeys(n.strip() for n in args.configs.split(",") if n.strip()))
     unknown = [n for n in names if n not in CONFIGURATIONS]
     if unknown or not names:
         raise ToolError(f"--configs: unknown {unknown or 'empty'}; valid: {', '.join(CONFIGURATIONS)}")
-    if args.eager:
-        compiled_only = [n for n in names if any(k in CONFIGURATIONS[n] for k in NEEDS_COMPILED)]
-        if compiled_only:
-            raise ToolError(f"--eager runs the step uncompiled; {', '.join(compiled_only)} compare compiled steps")
+    compiled_only = [n for n in names if n not in runnable]
+    if compiled_only:
+        raise ToolError(f"--eager runs the step uncompiled, but {', '.join(compiled_only)} compare compiled steps; "
+                        f"valid with --eager: {', '.join(runnable)}")
+    return names
+
+
+def _workload(args: argparse.Namespace, vocab_size: int) -> AgenticWorkload:
+    """The workload at --scale, with the lengths and counts given on the command line instead."""
+    given = {"sessions": args.sessions, "turns": args.turns, "system_prompt": args.system_prompt,
+             "context": args.context and tuple(args.context), "tool_result": args.tool_result and tuple(args.tool_result)}
+    try:
+        return AgenticWorkload.at_scale(args.scale, vocab_size=vocab_size, arrival_rate=args.arrival_rate,
+                                        think_time_s=args.think_time, seed=args.seed,
+                                        **{k: v for k, v in given.items() if v is not None})
+    except ValueError as e:
+        raise ToolError(str(e)) from None
+
+
+def main(args: argparse.Namespace) -> int:
+    names = _configurations(args)
     args.dtype = args.quant = None
     args.prompt_len, args.batch = 1, 1
     cfg, model = common.load_model(args)
-    try:
-        workload = AgenticWorkload(vocab_size=cfg.vocab_size, sessions=args.sessions, turns=args.turns,
-                                   system_prompt=args.system_prompt, tool_result=tuple(args.tool_result),
-                                   arrival_rate=args.arrival_rate, think_time_s=args.think_time,
-                                   context_cap=args.context_cap, seed=args.seed)
-    except ValueError as e:
-        raise ToolError(str(e)) from None
+    workload = _workload(args, cfg.vocab_size)
     system, sessions = workload.build()
     cap = args.output_cap
     longest = max(len(system) + sum(len(t.new_tokens) + (min(t.max_new_tokens, cap) if cap else t.max_new_tokens)
@@ -231,13 +269,13 @@ def main(args: argparse.Namespace) -> int:
         steps[kind].cuda_graphs = options["cuda_graphs"] and flags.pop("cuda_graphs", True)
         return Engine(model, layout=layout, token_budget=args.token_budget, compiled=steps[kind], **flags)
 
-    result = {"schema": "megafuse.bench_serve/2", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
-              "device": args.device, "workload": dataclasses.asdict(workload) | {"output_cap": cap},
+    result = {"schema": "megafuse.bench_serve/3", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
+              "device": args.device, "workload": {"scale": args.scale} | dataclasses.asdict(workload) | {"output_cap": cap},
               "cache": dataclasses.asdict(layout),
               "step": {"mode": "eager" if args.eager else "compiled", "buckets": None if args.eager else list(buckets)},
               "steps": {}, "configurations": {}, "environment": environment()}
     for name in names:
-        with common.step(f"serving {len(sessions)} sessions x {args.turns} turns: {name}"):
+        with common.step(f"serving {len(sessions)} sessions x {workload.turns} turns: {name}"):
             try:
                 served = engine(CONFIGURATIONS[name])
             except ValueError as e:
@@ -250,7 +288,7 @@ def main(args: argparse.Namespace) -> int:
     for kind, step in steps.items():
         result["steps"][kind] = {"passes": step.passes, "counts": step.report().counts(),
                                  "graphs": dataclasses.asdict(step.stats)}
-    table = Table(title=f"megafuse bench-serve: {cfg.name}, {len(sessions)} sessions x {args.turns} turns")
+    table = Table(title=f"megafuse bench-serve: {cfg.name}, {args.scale} scale: {workload.describe()}")
     table.add_column("configuration", no_wrap=True)
     for col in ("TTFT P50", "TTFT P90", "TTFT P99", "TPOT P50", "tok/s per GPU", "hit rate", "replayed", "trimmed",
                 "preempted", "evicted"):

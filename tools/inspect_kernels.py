@@ -70,7 +70,7 @@ EXAMPLES = """examples:
 """
 
 # HBM bandwidth used for the memory floor (bytes / bandwidth), by device-name substring. H200: the
-# figure the project's benchmarks use (ARCHITECTURE.md); other devices: no floor rather than a guess.
+# figure the project's benchmarks use (docs/measuring.md, "Method"); other devices: no floor rather than a guess.
 HBM_BYTES_PER_S = {"H200": bench_common.HBM_BYTES_PER_S}
 
 

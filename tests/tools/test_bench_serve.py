@@ -1,19 +1,30 @@
-"""`megafuse bench-serve` on tiny: every configuration serves the whole workload, its JSON and plot."""
+"""`megafuse bench-serve` on tiny: every configuration serves the whole workload, its JSON and plot;
+what --eager runs; every example of --help."""
 
 import json
+import shlex
+
+import pytest
 
 from megafuse.tools import bench_serve
-from megafuse.tools.cli import main
+from megafuse.tools.cli import build_parser, main
+
+# the configurations whose engine flags need no compiled step (no cuda_graphs, no passes)
+EAGER = ["no-prefix-cache", "exact-replay", "bounded-replay", "bounded-no-trim"]
+# one session of one 8-token turn: the cheapest workload that serves every configuration
+ONE_TURN = ["--scale", "small", "--sessions", "1", "--turns", "1", "--system-prompt", "0", "--context", "8", "8",
+            "--output-cap", "2", "--slots", "1", "--page-size", "8"]
 
 
 def test_bench_serve_runs_each_configuration_over_the_whole_workload(tmp_path, capsys):
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     argv = ["bench-serve", "--config", "tiny", "--sessions", "2", "--turns", "2", "--system-prompt", "24",
-            "--context-cap", "20", "--tool-result", "4", "8", "--output-cap", "2", "--slots", "2", "--page-size", "8",
+            "--context", "20", "20", "--tool-result", "4", "8", "--output-cap", "2", "--slots", "2", "--page-size", "8",
             "--configs", "no-prefix-cache,bounded-replay", "--eager", "--prefill-probe", "40", "--json", str(out), "--png", str(png)]
     assert main(argv) == 0
     r = json.loads(out.read_text())
-    assert r["schema"] == "megafuse.bench_serve/2" and list(r["configurations"]) == ["no-prefix-cache", "bounded-replay"]
+    assert r["schema"] == "megafuse.bench_serve/3" and list(r["configurations"]) == ["no-prefix-cache", "bounded-replay"]
+    assert r["workload"]["scale"] == "full" and r["workload"]["context"] == [20, 20] and r["workload"]["output_cap"] == 2
     assert r["step"] == {"mode": "eager", "buckets": None} and r["steps"] == {}
     probe = r["prefill_probe"]  # 40 tokens under a 4096-row budget: one step each way
     assert probe["tokens"] == 40 and probe["steps"] == 1 and probe["trim_ttft_s"] > 0 and probe["no_trim_ttft_s"] > 0
@@ -30,9 +41,55 @@ def test_bench_serve_runs_each_configuration_over_the_whole_workload(tmp_path, c
     assert "bounded-replay" in capsys.readouterr().out
 
 
-def test_bench_serve_names_an_unknown_configuration(capsys):
+def test_eager_serves_every_configuration_that_runs_uncompiled_and_names_those_left_out(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    assert main(["bench-serve", "--config", "tiny", "--eager", *ONE_TURN, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert list(r["configurations"]) == EAGER and bench_serve.eager_configurations() == EAGER
+    assert all(c["requests"] == 1 and c["output_tokens"] == 2 for c in r["configurations"].values())
+    left_out = [line for line in capsys.readouterr().err.splitlines() if "left out" in line]
+    assert left_out == ["megafuse bench-serve: --eager runs the step uncompiled, so bounded-no-graphs, "
+                        "bounded-no-passes (they compare compiled steps) are left out"]
+
+
+def test_bench_serve_names_an_unknown_configuration_and_one_eager_cannot_run(capsys):
     assert main(["bench-serve", "--config", "tiny", "--configs", "fast"]) == 2
     assert ("valid: no-prefix-cache, exact-replay, bounded-replay, bounded-no-trim, bounded-no-graphs, "
             "bounded-no-passes") in capsys.readouterr().err
     assert main(["bench-serve", "--config", "tiny", "--configs", "bounded-replay,bounded-no-graphs", "--eager"]) == 2
-    assert "--eager runs the step uncompiled; bounded-no-graphs compare compiled steps" in capsys.readouterr().err
+    assert ("--eager runs the step uncompiled, but bounded-no-graphs compare compiled steps; valid with --eager: "
+            f"{', '.join(EAGER)}") in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # replaced by --scale and --context
+        main(["bench-serve", "--config", "tiny", "--context-cap", "200"])
+    assert usage.value.code == 2 and "unrecognized arguments: --context-cap 200" in capsys.readouterr().err
+
+
+def _examples() -> list[list[str]]:
+    lines = [line.strip() for line in bench_serve.EXAMPLES.splitlines()]
+    return [shlex.split(line)[1:] for line in lines if line.startswith("megafuse ")]
+
+
+@pytest.mark.slow
+def test_every_example_in_the_help_runs_as_written(tmp_path, monkeypatch, capsys):
+    """Each example parses; those on the CPU (tiny, the small scale, eager) serve to the end, and a
+    larger model's example names --device cuda (not run here)."""
+    examples = _examples()
+    assert len(examples) == 3 and all(argv[0] == "bench-serve" for argv in examples)
+    parser = build_parser(["bench-serve"])
+    monkeypatch.chdir(tmp_path)  # where the examples' --json and --png land
+    ran = 0
+    for argv in examples:
+        args = parser.parse_args(argv)
+        if args.config != "tiny":
+            assert args.device == "cuda", argv
+            continue
+        assert (args.device, args.scale, args.eager) == ("cpu", "small", True), argv
+        assert main(argv) == 0, argv
+        ran += 1
+        if args.json:
+            r = json.loads((tmp_path / args.json).read_text())
+            assert list(r["configurations"]) == (args.configs.split(",") if args.configs else EAGER)
+            assert all(c["requests"] == 2 * args.sessions for c in r["configurations"].values())  # 2 turns each
+            assert (tmp_path / args.png).stat().st_size > 10_000
+        capsys.readouterr()
+    assert ran == 2
