@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         if extras:
             _unknown_flags(parser, args.tool, extras)  # exits with status 2
         from megafuse.model.config import ConfigError  # (imports torch: only now)
+        from . import output
         from .output import ToolError
+        output.progress_prefix = f"megafuse {tool}"
         compiles = "megafuse.passes" in sys.modules  # the tool's module imported the compiler
         if compiles:
             from megafuse.passes import inductor_cache

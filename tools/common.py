@@ -52,6 +52,7 @@ from megafuse.model.checkpoint import load_checkpoint
 from megafuse.model.config import DTYPES, PRESETS, QUANT_MODES, ModelConfig, resolve_config
 from megafuse.model.transformer import Transformer, build_model
 
+from . import output
 from .output import ToolError, console, progress_console  # noqa: F401  (ToolError: the tools raise it from here)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -386,8 +387,9 @@ def reset_compiler() -> None:
 def step(message: str, quiet: bool = False):
     """Show `message` with a spinner and the elapsed time while the block runs; then print how
     long it took (unless quiet), on stderr. The printed lines are the progress a log keeps."""
+    prefix = output.progress_prefix
     if not quiet:
-        progress_console.print(f"[bold]{message}[/bold] ...")
+        progress_console.print(f"{prefix}: [bold]{message}[/bold] ...")
     start = time.perf_counter()
     if progress_console.is_terminal:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
@@ -397,7 +399,7 @@ def step(message: str, quiet: bool = False):
     else:  # a log: the lines before and after are the progress
         yield
     if not quiet:
-        progress_console.print(f"  done in {time.perf_counter() - start:.1f} s")
+        progress_console.print(f"{prefix}: {message}: done in {time.perf_counter() - start:.1f} s")
 
 
 # ------------------------------------------------------------------------------------------------

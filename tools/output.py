@@ -18,6 +18,8 @@ from rich.console import Console
 console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)
 # Progress (tools.common.step) and the megafuse.* log go to stderr: stdout keeps the results.
 progress_console = Console(stderr=True, width=None if sys.stderr.isatty() or os.environ.get("COLUMNS") else 120)
+# What every progress line starts with: `megafuse <tool>` once the command line knows the tool.
+progress_prefix = "megafuse"
 
 
 def _triton_version() -> str:
