@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The pages whose numbers are claims. The rest of docs/ and README.md join as they are converted.
 CHECKED = ("README.md", "docs/mega_gate.md", "docs/mega_mhc.md", "docs/mega_attention.md", "docs/measuring.md",
-           "docs/compiling.md", "docs/model.md", "docs/glossary.md", "docs/spellings.md")
+           "docs/compiling.md", "docs/model.md", "docs/glossary.md", "docs/spellings.md", "docs/serving.md")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -336,6 +336,71 @@ def per_graph_s(r: dict) -> float:
     return r["compile_s"] / r["graphs"]
 
 
+# Serving on an H200 (docs/serving.md): the batched step, the decode step, the agentic workload
+STEP, DECODE_B, SERVE = "results/step/bench.json", "results/decode/bench.json", "results/serve/bench.json"
+
+
+def step_counts(d: dict) -> str:
+    c = d["compiled"]["counts"]
+    return (f"{c['encoder']['mega_mhc']} + {c['decoder']['mega_mhc']} seams, "
+            f"{c['encoder']['mega_gate']} + {c['decoder']['mega_gate']} gates")
+
+
+def step_rows(d: dict) -> list[list[str]]:
+    eager, compiled = d["eager"], d["compiled"]
+    return [["eager `model.step`", f"{us(eager['step_s'])} s", f"{eager['peak_allocated_bytes'] / 1e9:.1f} GB", "-"],
+            [f"compiled regions, all passes ({step_counts(d)})", f"{us(compiled['step_s'])} s",
+             f"{compiled['peak_allocated_bytes'] / 1e9:.1f} GB", f"{compiled['compile_s']:.0f} s"]]
+
+
+def decode_graphs_rows(d: dict) -> list[list[str]]:
+    rows = []
+    for b in d["batches"]:
+        r = d[f"passes-{b}"]
+        rows.append([str(b), f"{r['no_graphs_step_s'] * 1e3:.1f} ms", f"{r['graphs_step_s'] * 1e3:.1f} ms",
+                     f"{r['no_graphs_step_s'] / r['graphs_step_s']:.2f}x", f"{r['capture_s']:.2f} s",
+                     f"{r['graph_bytes'] / 1e9:.2f} GB"])
+    return rows
+
+
+def serve_label(engine: dict) -> str:
+    if not engine["prefix_cache"]:
+        return "no prefix cache"
+    replay = "bounded replay" if engine["swa_bounded_replay"] else "exact replay"
+    return f"{replay} + trim" if engine["trim_decoder"] else f"{replay}, no trim"
+
+
+def serve_rows(d: dict) -> list[list[str]]:
+    rows = []
+    for c in d["configurations"].values():
+        t = c["ttft_s"]
+        rows.append([serve_label(c["engine"]), *(f"{t[q]:.2f} s" for q in ("p50", "p90", "p99")),
+                     f"{c['tpot_s']['p50'] * 1e3:.0f} ms", f"{c['tokens_per_s_per_gpu']:.1f}",
+                     f"{c['stats']['replayed_tokens']:,}", f"{c['stats']['trimmed_tokens']:,}",
+                     f"{c['makespan_s']:.0f} s"])
+    return rows
+
+
+def serve_same(d: dict, f: Callable[[dict], object]) -> object:
+    """A figure every configuration of the run shares (the requests served, the prefix hits)."""
+    values = {repr(f(c)) for c in d["configurations"].values()}
+    if len(values) != 1:
+        raise ValueError(f"the configurations differ: {sorted(values)}")
+    return f(next(iter(d["configurations"].values())))
+
+
+def decode_counts(d: dict) -> tuple[int, int]:
+    """The fused sites of the decode step, which every batch size's run must share (one compile serves them)."""
+    counts = {(d[f"passes-{b}"]["counts"]["mega_mhc"], d[f"passes-{b}"]["counts"]["mega_gate"]) for b in d["batches"]}
+    if len(counts) != 1:
+        raise ValueError(f"the batch sizes' counts differ: {sorted(counts)}")
+    return counts.pop()
+
+
+def serve_config(d: dict, name: str) -> dict:
+    return d["configurations"][name]
+
+
 GATE, MHC, SWEEP = "results/mega_gate/bench.json", "results/mega_mhc/bench.json", "results/mega_mhc/sweep.json"
 ATTENTION, COMPILED = "results/mega_attention/bench.json", "results/compiled/bench.json"
 TARGET = "the benchmark's target, recorded in its JSON: a setting, not a measurement"
@@ -365,10 +430,19 @@ TABLES = {t.name: t for t in (
     Table("decode8e.launchers", DECODE, ("launcher", "us per step", "share"), decode_launcher_rows),
     Table("decode8e.with_without", DECODE, ("", "with the pass", "without it"), decode_with_without_rows,
           derived="attention without the pass = MegaAttention's time with it + the difference of the two steps' "
-                  "kernel time", also=(DECODE_WITHOUT,)),    Table("compile8e.cold_warm", COMPILE, ("", "cold (empty caches)", "warm (a second process)"),
+                  "kernel time", also=(DECODE_WITHOUT,)),
+    Table("compile8e.cold_warm", COMPILE, ("", "cold (empty caches)", "warm (a second process)"),
           compile_cold_warm_rows, derived="graph pool = the pool's reserved bytes (`graph_bytes`) in GiB"),
     Table("compile8e8l.blocks_regions", COMPILE_8L, ("", "per kind of layer", "whole regions"),
           compile_blocks_regions_rows, derived="graph pool = the pool's reserved bytes (`graph_bytes`) in GiB"),
+    Table("step.bench", STEP, ("", "step", "peak memory", "compile"), step_rows),
+    Table("decode.graphs", DECODE_B, ("batch", "without graphs", "CUDA graphs", "graphs' speed-up", "capture",
+                                      "graph memory"), decode_graphs_rows,
+          derived="graphs' speed-up = the step without graphs / with them; graph memory = `graph_bytes` in GB"),
+    Table("serve.configurations", SERVE, ("configuration", "TTFT P50", "TTFT P90", "TTFT P99", "TPOT P50",
+                                          "tok/s per GPU", "replayed tokens", "trimmed tokens", "makespan"),
+          serve_rows, derived="TPOT = (last - first token) / (outputs - 1); tok/s per GPU = the outputs over the "
+                              "makespan; makespan on the run's clock of measured step times"),
 )}
 
 CLAIMS = {c.name: c for c in (
@@ -491,6 +565,42 @@ CLAIMS = {c.name: c for c in (
     Claim("compile8e8l.run_to_run_logits", COMPILE_8L,
           lambda d: (d["summary"]["run_to_run_max_abs"]["blocks"], d["summary"]["run_to_run_max_abs"]["regions"]),
           "{:.3f} for blocks, {:.3f} for regions"),
+
+    # Serving on an H200 (docs/serving.md)
+    Claim("step.weights", STEP, lambda d: d["build"]["weights_on_device_bytes"] / 1e9, "{:.1f} GB"),
+    Claim("step.cache", STEP, lambda d: sum(d["compare"]["cache_bytes"].values()) / 1e9, "{:.2f} GB",
+          derived="the byte cache's pools summed: SWA rows, global KV, index keys, compressor state"),
+    Claim("step.logits_error", STEP, lambda d: d["compare"]["max_abs_logits_error"], "{:.2f}"),
+    Claim("step.top1", STEP, lambda d: d["compare"]["top1_agreement"], "{:.0%}"),
+    Claim("decode.counts", DECODE_B, lambda d: decode_counts(d), "{} seams and {} gates",
+          derived="the fused sites of both region graphs, the same at every batch"),
+    Claim("decode.first_run", DECODE_B, lambda d: d[f"passes-{d['batches'][0]}"]["first_run_s"], "{:.0f} s"),
+    Claim("decode.graphs_logits", DECODE_B, lambda d: tuple(d[f"passes-{b}"]["graphs_vs_no_graphs_max_abs"]
+                                                            for b in (1, 32)), "{:.2f} (batch 1) and {:.2f} (batch 32)"),
+    Claim("decode.batch1_bound", DECODE_B,
+          lambda d: d["passes-32"]["no_graphs_step_s"] / d["passes-1"]["graphs_step_s"], "{:.1f}x",
+          derived="batch 32's step without graphs / batch 1's with them: a bound on batch 1's graphs' speed-up"),
+    Claim("serve.think_time", SERVE, lambda d: d["workload"]["think_time_s"], "{:g} s",
+          derived="the workload's think time, a setting recorded in the JSON"),
+    Claim("serve.counts", SERVE, lambda d: (d["steps"]["passes"]["counts"]["mega_mhc"],
+                                            d["steps"]["passes"]["counts"]["mega_gate"]), "{} seams and {} gates"),
+    Claim("serve.requests", SERVE, lambda d: serve_same(d, lambda c: c["requests"]), "{} requests"),
+    Claim("serve.hits", SERVE, lambda d: serve_same(d, lambda c: (c["stats"]["prefix_hits"], c["prefix_hit_rate"])),
+          "{} prefix hits, {:.0%} of prompt tokens",
+          derived="the share of prompt tokens = the tokens the hits took from the cache / every prompt's tokens"),
+    Claim("serve.p90_ratio", SERVE,
+          lambda d: serve_config(d, "exact-replay")["ttft_s"]["p90"] / serve_config(d, "bounded-replay")["ttft_s"]["p90"],
+          "{:.1f}x", derived="exact replay without the trim's P90 TTFT / bounded replay with the trim's"),
+    Claim("serve.probe_trim", SERVE, lambda d: d["prefill_probe"]["trim_ttft_s"], "{:.2f} s"),
+    Claim("serve.probe_no_trim", SERVE, lambda d: d["prefill_probe"]["no_trim_ttft_s"], "{:.2f} s"),
+    Claim("serve.probe_speedup", SERVE, lambda d: d["prefill_probe"]["trim_speedup"], "{:.2f}x",
+          derived="the probe's time to first token without the trim / with it"),
+    Claim("serve.first_run", SERVE, lambda d: d["steps"]["passes"]["graphs"]["first_run_s"], "{:.0f} s"),
+    Claim("serve.graphs", SERVE, lambda d: (d["steps"]["passes"]["graphs"]["graphs"],
+                                            d["steps"]["passes"]["graphs"]["captures"]),
+          "{} region graphs compiled and {} buckets captured"),
+    Claim("serve.capture", SERVE, lambda d: d["steps"]["passes"]["graphs"]["capture_s"], "{:.1f} s"),
+    Claim("serve.graph_memory", SERVE, lambda d: d["steps"]["passes"]["graphs"]["graph_bytes"] / 1e9, "{:.1f} GB"),
 )}
 
 
