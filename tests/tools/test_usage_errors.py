@@ -181,7 +181,7 @@ def test_a_step_that_fails_to_allocate_is_a_usage_error_and_any_other_failure_a_
         err = capsys.readouterr().err.split("\n", 1)[1]  # after the progress line
         if status == 2:
             assert err.startswith("megafuse generate: error: out of memory on cpu: an allocation of 1228931072 bytes "
-                                  "failed; 1 requests of up to 64 positions") and err.count("\n") == 1
+                                  "failed; 1 request of up to 64 positions") and err.count("\n") == 1
         else:
             assert err.startswith("megafuse generate: internal error: RuntimeError: boom")
 
@@ -201,8 +201,8 @@ def test_a_long_prompt_is_refused_with_what_its_step_holds(monkeypatch, capsys):
     activations = indexer + streams + logits
     weights, cache = common.model_bytes(cfg), common.cache_bytes(cfg, CacheLayout.private(1, 300_002, 64))
     total = (weights + cache + activations) / GiB
-    assert err == ("megafuse generate: error: 1 requests of up to 300032 positions (prompt + --max-new-tokens 2, "
-                   f"pages of 64) in 1 slots, --token-budget 256 needs at least {total:,.1f} GiB (weights "
+    assert err == ("megafuse generate: error: 1 request of up to 300032 positions (prompt + --max-new-tokens 2, "
+                   f"pages of 64) in 1 slot, --token-budget 256 needs at least {total:,.1f} GiB (weights "
                    f"{weights / 2**20:,.1f} MiB, cache {cache / 2**20:,.1f} MiB, activations {activations / GiB:,.1f} "
                    f"GiB), more than the 3.0 GiB {ulimit}: use shorter prompts, fewer --slots or a smaller "
                    "--token-budget\n")
