@@ -28,20 +28,7 @@ serving time. TTFT is first token - arrival; the time per output token is (last 
 (outputs - 1); the output rate per user is its inverse, and per GPU the outputs over the whole
 run's time.
 
-JSON (`--json PATH`), schema "megafuse.bench_serve/3":
-
-    schema, config, dtype, quant, device     str
-    workload        {scale} | the AgenticWorkload fields | {output_cap}
-    cache           {slots, pages, page_size, max_pages}
-    step            {mode: "compiled" | "eager", buckets: [int] | null}
-    prefill_probe   {tokens, steps, trim_ttft_s, no_trim_ttft_s, trim_speedup}   (with --prefill-probe)
-    steps           {"passes" | "no-passes": {passes: [str], counts: {pass: matches},
-                     graphs: {buckets, first_run_s, graphs, graphs_from_cache, compile_s, captures,
-                             capture_s, graph_bytes}}}   (compiled)
-    configurations  {name: {engine: {...flags}, ttft_s: {p50, p90, p99}, tpot_s: {p50, p90},
-                     tokens_per_s_per_user: {p50}, tokens_per_s_per_gpu, requests, output_tokens,
-                     makespan_s, prefix_hit_rate, stats: {EngineStats}, ttft_all_s: [float]}}
-    environment     {date, python, torch, triton, device}
+JSON (`--json PATH`, '-' for stdout): schema "megafuse.bench_serve/3", documented in docs/tools.md.
 
 `--png PATH`: TTFT CDF per configuration; output tok/s per user against tok/s per GPU.
 """

@@ -50,7 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The pages whose numbers are claims. The rest of docs/ and README.md join as they are converted.
 CHECKED = ("README.md", "docs/mega_gate.md", "docs/mega_mhc.md", "docs/mega_attention.md", "docs/measuring.md",
-           "docs/compiling.md", "docs/model.md", "docs/glossary.md", "docs/spellings.md", "docs/serving.md")
+           "docs/compiling.md", "docs/model.md", "docs/glossary.md", "docs/spellings.md", "docs/serving.md",
+           "docs/tools.md")
 
 
 # ------------------------------------------------------------------------------------------------
