@@ -24,6 +24,7 @@ import torch
 
 from megafuse.passes import inductor_cache
 from megafuse.tools import cli
+from tests.passes.test_inductor_cache import _entry
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ELF = Path(torch._C.__file__)  # a whole shared library
@@ -216,16 +217,6 @@ def toy_tool(monkeypatch, tmp_path):
     monkeypatch.setattr(inductor_cache, "default_cache_dir", lambda: tmp_path / "default")  # its headers too
     monkeypatch.delenv("MEGAFUSE_TRACEBACK", raising=False)
     return module
-
-
-def _entry(root: Path, name: str, content: bytes | Path = b"") -> Path:
-    path = root / name[1:3] / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(content, Path):
-        shutil.copyfile(content, path)
-    else:
-        path.write_bytes(content)
-    return path
 
 
 def test_a_compiling_tool_first_removes_broken_entries_one_line_each(toy_tool, tmp_path, capsys):
