@@ -46,7 +46,6 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from torch import nn
 
 from megafuse import passes
-from megafuse.model import CacheLayout, KVCache
 from megafuse.model.cache import row_codec
 from megafuse.model.checkpoint import load_checkpoint
 from megafuse.model.config import DTYPES, PRESETS, QUANT_MODES, ModelConfig, resolve_config
@@ -192,7 +191,7 @@ class RequestSize:
     request: str      # the request in the user's terms: "--batch 4 x 24 positions (--prompt-len 16 + --decode 8)"
     positions: int    # its longest sequence, against the model's maximum
     weights: int      # the model's parameters and buffers (`model_bytes`)
-    cache: int        # the byte cache's pools (`cache_bytes`)
+    cache: int        # the byte cache's pools (`CacheLayout.nbytes`)
     activations: int  # one forward or step beyond those (`activation_bytes`)
     advice: str       # what to change when it does not fit: "a smaller --batch or --prompt-len"
 
@@ -215,11 +214,6 @@ def model_bytes(cfg: ModelConfig) -> int:
     on the device (build_model puts everything there, the Engram tables included)."""
     model = build_model(cfg, device="meta")
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-
-
-def cache_bytes(cfg: ModelConfig, layout: CacheLayout) -> int:
-    """The byte cache's pools for `layout` (scratch slot and page included), allocated on meta."""
-    return sum(KVCache.allocate(cfg, layout, "meta").nbytes().values())
 
 
 def activation_bytes(cfg: ModelConfig, rows: int, tokens: int, logit_rows: int, step: str | None) -> int:

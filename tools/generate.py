@@ -126,7 +126,7 @@ def request_size(cfg, args: argparse.Namespace, prompts: list[list[int]]) -> com
     return common.RequestSize(
         f"{len(prompts)} request{'s' if len(prompts) > 1 else ''} of up to {layout.max_tokens} positions (prompt + --max-new-tokens "
         f"{args.max_new_tokens}, pages of {PAGE_SIZE}) in {layout.slots} slot{'s' if layout.slots > 1 else ''}, --token-budget {args.token_budget}",
-        max(len(p) for p in prompts) + args.max_new_tokens, common.model_bytes(cfg), common.cache_bytes(cfg, layout),
+        max(len(p) for p in prompts) + args.max_new_tokens, common.model_bytes(cfg), layout.nbytes(cfg),
         common.activation_bytes(cfg, rows, layout.max_tokens, 1, step="eager" if args.eager else "compiled"),
         "shorter prompts, fewer --slots or a smaller --token-budget")
 

@@ -117,7 +117,7 @@ def request_size(cfg, batch: int, prompt_len: int, decode: int, layout: CacheLay
     rows = batch * prompt_len
     return common.RequestSize(
         f"--batch {batch} x {prompt_len + decode} positions (--prompt-len {prompt_len} + --decode {decode})",
-        prompt_len + decode, common.model_bytes(cfg), common.cache_bytes(cfg, layout),
+        prompt_len + decode, common.model_bytes(cfg), layout.nbytes(cfg),
         common.activation_bytes(cfg, rows, layout.max_tokens, rows, step="eager"),
         "a smaller --batch, --prompt-len or --decode")
 

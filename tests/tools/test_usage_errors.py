@@ -199,7 +199,7 @@ def test_a_long_prompt_is_refused_with_what_its_step_holds(monkeypatch, capsys):
     indexer = 256 * 300_032 * (17 + 32 * 21)
     streams, logits = 256 * 4 * cfg.hc_mult * cfg.dim * 4, cfg.vocab_size * 4
     activations = indexer + streams + logits
-    weights, cache = common.model_bytes(cfg), common.cache_bytes(cfg, CacheLayout.private(1, 300_002, 64))
+    weights, cache = common.model_bytes(cfg), CacheLayout.private(1, 300_002, 64).nbytes(cfg)
     total = (weights + cache + activations) / GiB
     assert err == ("megafuse generate: error: 1 request of up to 300032 positions (prompt + --max-new-tokens 2, "
                    f"pages of 64) in 1 slot, --token-budget 256 needs at least {total:,.1f} GiB (weights "
@@ -213,4 +213,4 @@ def test_the_sizes_a_request_counts_are_what_building_allocates():
     model = build_model(cfg)
     assert common.model_bytes(cfg) == sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     layout = CacheLayout.private(3, 200, 64)
-    assert common.cache_bytes(cfg, layout) == sum(KVCache.allocate(cfg, layout).nbytes().values())
+    assert layout.nbytes(cfg) == sum(KVCache.allocate(cfg, layout).nbytes().values())
