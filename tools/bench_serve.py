@@ -28,7 +28,15 @@ serving time. TTFT is first token - arrival; the time per output token is (last 
 (outputs - 1); the output rate per user is its inverse, and per GPU the outputs over the whole
 run's time.
 
-JSON (`--json PATH`, '-' for stdout): schema "megafuse.bench_serve/3", documented in docs/tools.md.
+Quality: when exact-replay runs beside other configurations, each context length of
+`--quality-contexts` (default: the scale's) serves one prompt of that many tokens (it fills the
+prefix cache), then the same prompt plus a tool result, greedy, keeping the logits of its outputs.
+Each configuration's outputs are compared with exact replay's, token by token while their inputs
+agree: per-token KL(exact || configuration) of the next-token distributions, and top-1 agreement.
+No prefix cache with the trim measures the trim alone, bounded-no-trim bounded replay alone, and
+bounded-replay both.
+
+JSON (`--json PATH`, '-' for stdout): schema "megafuse.bench_serve/4", documented in docs/tools.md.
 
 `--png PATH`: TTFT CDF per configuration; output tok/s per user against tok/s per GPU.
 """
@@ -59,6 +67,21 @@ CONFIGURATIONS = {
     "bounded-no-passes": dict(prefix_cache=True, swa_bounded_replay=True, trim_decoder=True, passes="none"),
 }
 NEEDS_COMPILED = ("cuda_graphs", "passes")  # flags that only mean something for the compiled step
+QUALITY_REFERENCE = "exact-replay"
+
+
+@dataclasses.dataclass(frozen=True)
+class QualityProbe:
+    """Bounded against exact replay, per context length: a tool result of `suffix` tokens after a
+    cached prompt of each context length, then `tokens` greedy outputs compared."""
+    contexts: tuple[int, ...]
+    suffix: int
+    tokens: int
+
+
+# small: past tiny's L x W = 96-token exact replay, so bounded replay has something to drop
+QUALITY = {"full": QualityProbe(contexts=(2048, 8192, 32768), suffix=512, tokens=16),
+           "small": QualityProbe(contexts=(128, 512), suffix=8, tokens=8)}
 
 EXAMPLES = """examples:
   megafuse bench-serve --config tiny --scale small --eager
@@ -88,6 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--think-time", type=common.in_range(float, at_least=0), default=1.0, metavar="S")
     parser.add_argument("--configs", help=f"comma-separated subset of {', '.join(CONFIGURATIONS)} (default: every "
                                           f"one; under --eager those that run uncompiled)")
+    parser.add_argument("--quality-contexts", type=common.positive_ints, metavar="N,N,..",
+                        help="context lengths of the quality comparison with exact replay (default: the scale's)")
     parser.add_argument("--slots", type=common.in_range(at_least=1), default=8, help="requests running at once (default 8)")
     parser.add_argument("--page-size", type=common.in_range(at_least=1), default=64)
     parser.add_argument("--token-budget", type=common.in_range(at_least=1), default=4096, help="rows per step (default 4096)")
@@ -154,6 +179,44 @@ def _prefill_probe(engine, cfg, tokens: int, device) -> dict:
     return out
 
 
+def _drain(engine: Engine) -> None:
+    while engine.waiting or engine.running:
+        engine.step()
+
+
+def _quality(engine, cfg, probe: QualityProbe, names: list[str], seed: int) -> dict:
+    """Per context length and configuration: the outputs after a prefix hit against exact replay's
+    (module docstring). KL and top-1 are taken at the positions whose inputs agree with exact
+    replay's (every output before them equal): later positions condition on other tokens."""
+    out = {}
+    for context in probe.contexts:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + context)
+        prompt = torch.randint(0, cfg.vocab_size, (context + probe.suffix,), generator=g).tolist()
+        served = {}
+        for name in [QUALITY_REFERENCE] + [n for n in names if n != QUALITY_REFERENCE]:
+            e = engine(CONFIGURATIONS[name], keep_logits=True)
+            e.add_request(prompt[:context], 1)  # fills the prefix cache
+            _drain(e)
+            rid = e.add_request(prompt, probe.tokens)
+            _drain(e)
+            served[name] = e.requests[rid]
+        exact = served.pop(QUALITY_REFERENCE)
+        out[str(context)] = {name: _distance(exact, r) for name, r in served.items()}
+    return out
+
+
+def _distance(exact, other) -> dict:
+    """Per-token KL(exact || other) and top-1 agreement over the outputs whose inputs agree."""
+    kls, agree = [], 0
+    for k, (le, lo) in enumerate(zip(exact.logits, other.logits)):
+        if exact.output[:k] != other.output[:k]:
+            break
+        log_e, log_o = le.double().log_softmax(-1), lo.double().log_softmax(-1)
+        kls.append(float((log_e.exp() * (log_e - log_o)).sum()))
+        agree += int(le.argmax() == lo.argmax())
+    return {"positions": len(kls), "kl_mean": sum(kls) / len(kls), "kl_max": max(kls), "top1": agree / len(kls)}
+
+
 def _summary(records: dict, stats, makespan: float) -> dict:
     ttft = [r["times"][0] - r["arrival"] for r in records.values()]
     tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in records.values() if len(r["times"]) > 1]
@@ -187,6 +250,33 @@ def _plot(result: dict, path: str) -> None:
     fig.suptitle(f"megafuse bench-serve: {result['config']} ({result['device']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _quality_table(quality: dict) -> Table:
+    table = Table(title=f"against {quality['reference']}: {quality['suffix']} new tokens after a cached context, "
+                        f"then {quality['tokens']} greedy outputs; top-1 agreement and mean KL over the n positions "
+                        f"whose inputs agree")
+    table.add_column("configuration", no_wrap=True)
+    by_context = quality["by_context"]
+    for context in by_context:
+        table.add_column(f"{context} tokens", justify="right")
+    for name in next(iter(by_context.values())):
+        cells = [by_context[c][name] for c in by_context]
+        table.add_row(name, *(f"{d['top1']:.0%} of {d['positions']}, KL {d['kl_mean']:.1e}" for d in cells))
+    return table
+
+
+def _quality_probe(args: argparse.Namespace, names: list[str]) -> QualityProbe | None:
+    """The scale's probe with --quality-contexts, when exact replay runs beside another configuration."""
+    if QUALITY_REFERENCE not in names or len(names) < 2:
+        if args.quality_contexts:
+            raise ToolError(f"--quality-contexts compares configurations with {QUALITY_REFERENCE}: select it and "
+                            f"at least one other in --configs")
+        return None
+    probe = QUALITY[args.scale]
+    if args.quality_contexts:
+        probe = dataclasses.replace(probe, contexts=tuple(sorted(set(args.quality_contexts))))
+    return probe
 
 
 def eager_configurations() -> list[str]:
@@ -240,13 +330,15 @@ def main(args: argparse.Namespace) -> int:
     probe = args.prefill_probe
     if probe is not None and probe < 2:
         raise ToolError(f"--prefill-probe must be >= 2 tokens, got {probe}")
-    layout = CacheLayout.private(args.slots, max(longest, (probe or 0) + 1), args.page_size)
+    quality = _quality_probe(args, names)
+    needed = quality.contexts[-1] + quality.suffix + quality.tokens if quality else 0
+    layout = CacheLayout.private(args.slots, max(longest, (probe or 0) + 1, needed), args.page_size)
     buckets = args.buckets or default_buckets(args.token_budget)
     options = common.engine_step_options(args)
     steps: dict[str, CompiledStep] = {}  # shared by the configurations with the same passes
 
-    def engine(flags: dict) -> Engine:
-        flags = dict(flags)
+    def engine(flags: dict, keep_logits: bool = False) -> Engine:
+        flags = dict(flags, keep_logits=keep_logits)
         if args.eager:
             return Engine(model, layout=layout, token_budget=args.token_budget, passes=None, **flags)
         kind = "no-passes" if flags.pop("passes", None) == "none" else "passes"
@@ -256,7 +348,7 @@ def main(args: argparse.Namespace) -> int:
         steps[kind].cuda_graphs = options["cuda_graphs"] and flags.pop("cuda_graphs", True)
         return Engine(model, layout=layout, token_budget=args.token_budget, compiled=steps[kind], **flags)
 
-    result = {"schema": "megafuse.bench_serve/3", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
+    result = {"schema": "megafuse.bench_serve/4", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
               "device": args.device, "workload": {"scale": args.scale} | dataclasses.asdict(workload) | {"output_cap": cap},
               "cache": dataclasses.asdict(layout),
               "step": {"mode": "eager" if args.eager else "compiled", "buckets": None if args.eager else list(buckets)},
@@ -272,6 +364,11 @@ def main(args: argparse.Namespace) -> int:
     if probe:
         with common.step(f"prefill probe: one {probe}-token prompt, trimmed and not"):
             result["prefill_probe"] = _prefill_probe(engine, cfg, probe, args.device)
+    if quality:
+        with common.step(f"quality: {len(names) - 1} configurations against {QUALITY_REFERENCE} at "
+                         f"{', '.join(map(str, quality.contexts))} tokens of context"):
+            result["quality"] = {"reference": QUALITY_REFERENCE} | dataclasses.asdict(quality) | {
+                "by_context": _quality(engine, cfg, quality, names, args.seed)}
     for kind, step in steps.items():
         result["steps"][kind] = {"passes": step.passes, "counts": step.report().counts(),
                                  "graphs": dataclasses.asdict(step.stats)}
@@ -280,6 +377,7 @@ def main(args: argparse.Namespace) -> int:
     for col in ("TTFT P50", "TTFT P90", "TTFT P99", "TPOT P50", "tok/s per GPU", "hit rate", "replayed", "trimmed",
                 "preempted", "evicted"):
         table.add_column(col, justify="right")
+
     for name, c in result["configurations"].items():
         t, s = c["ttft_s"], c["stats"]
         table.add_row(name, *(f"{t[q]:.3f} s" for q in ("p50", "p90", "p99")),
@@ -287,6 +385,8 @@ def main(args: argparse.Namespace) -> int:
                       f"{c['tokens_per_s_per_gpu']:.1f}", f"{c['prefix_hit_rate']:.0%}", str(s["replayed_tokens"]),
                       str(s["trimmed_tokens"]), str(s["preemptions"]), str(s["evictions"]))
     console.print(table)
+    if quality:
+        console.print(_quality_table(result["quality"]))
     for kind, step in result["steps"].items():
         g = step["graphs"]
         console.print(f"compiled step ({kind}: {', '.join(step['passes']) or 'plain torch.compile'}): {g['graphs']} "

@@ -4,7 +4,11 @@ what --eager runs; every example of --help."""
 import json
 import shlex
 
+from types import SimpleNamespace
+
 import pytest
+import torch
+import torch.nn.functional as F
 
 from megafuse.tools import bench_serve
 from megafuse.tools.cli import build_parser, main
@@ -24,14 +28,14 @@ def test_bench_serve_runs_each_configuration_over_the_whole_workload(tmp_path, c
             "--configs", "no-prefix-cache,bounded-replay", "--eager", "--prefill-probe", "40", "--json", str(out), "--png", str(png)]
     assert main(argv) == 0
     r = json.loads(out.read_text())
-    assert r["schema"] == "megafuse.bench_serve/3" and list(r["configurations"]) == ["no-prefix-cache", "bounded-replay"]
+    assert r["schema"] == "megafuse.bench_serve/4" and list(r["configurations"]) == ["no-prefix-cache", "bounded-replay"]
     assert r["workload"]["scale"] == "full" and r["workload"]["context"] == [20, 20] and r["workload"]["output_cap"] == 2
     assert r["step"] == {"mode": "eager", "buckets": None} and r["steps"] == {}
     probe = r["prefill_probe"]  # 40 tokens under a 4096-row budget: one step each way
     assert probe["tokens"] == 40 and probe["steps"] == 1 and probe["trim_ttft_s"] > 0 and probe["no_trim_ttft_s"] > 0
     assert probe["trim_speedup"] == probe["no_trim_ttft_s"] / probe["trim_ttft_s"]
     for key in ("workload", "cache", "ttft_s", "tpot_s", "tokens_per_s_per_gpu", "prefix_hit_rate", "makespan_s"):
-        assert key in documented_schema("megafuse.bench_serve/3"), key
+        assert key in documented_schema("megafuse.bench_serve/4"), key
     for name, c in r["configurations"].items():
         assert c["requests"] == 4 and c["output_tokens"] == 8 and len(c["ttft_all_s"]) == 4
         assert 0 < c["ttft_s"]["p50"] <= c["ttft_s"]["p90"] <= c["ttft_s"]["p99"]
@@ -63,6 +67,44 @@ def test_bench_serve_names_an_unknown_configuration_and_one_eager_cannot_run(cap
     with pytest.raises(SystemExit) as usage:  # replaced by --scale and --context
         main(["bench-serve", "--config", "tiny", "--context-cap", "200"])
     assert usage.value.code == 2 and "unrecognized arguments: --context-cap 200" in capsys.readouterr().err
+
+
+def test_quality_is_zero_where_bounded_replay_replays_the_whole_hit_and_not_past_l_times_w(tmp_path):
+    """tiny: W = 8, L x W = 96. A 16-token context caches 2 pages of 8, a hit of 16 (the last token
+    runs): bounded replay recomputes 8 of them. A 8-token context is a 8-token hit, all replayed
+    either way, so bounded replay is exact replay there; at 128 tokens it drops what exact replay keeps."""
+    out = tmp_path / "serve.json"
+    argv = ["bench-serve", "--config", "tiny", "--eager", *ONE_TURN, "--configs", "exact-replay,bounded-no-trim",
+            "--quality-contexts", "128,8", "--json", str(out)]
+    assert main(argv) == 0
+    q = json.loads(out.read_text())["quality"]
+    assert q["reference"] == "exact-replay" and q["contexts"] == [8, 128] and (q["suffix"], q["tokens"]) == (8, 8)
+    assert "quality" in documented_schema("megafuse.bench_serve/4")
+    same, longer = q["by_context"]["8"]["bounded-no-trim"], q["by_context"]["128"]["bounded-no-trim"]
+    assert same == {"positions": 8, "kl_mean": 0.0, "kl_max": 0.0, "top1": 1.0}
+    assert 1 <= longer["positions"] <= 8 and longer["kl_max"] >= longer["kl_mean"] > 1e-7
+
+
+def test_quality_distance_is_the_kl_of_the_next_token_distributions_while_the_inputs_agree():
+    g = torch.Generator().manual_seed(0)
+    exact_logits, other_logits = torch.randn(4, 50, generator=g), torch.randn(4, 50, generator=g)
+    other_logits[1] = exact_logits[1] * 3  # the same argmax, another distribution
+    exact = SimpleNamespace(logits=list(exact_logits), output=[3, 1, 4, 1])
+    # outputs 0 and 1 agree, so positions 0-2 saw the same inputs; position 3 saw another token
+    other = SimpleNamespace(logits=list(other_logits), output=[3, 1, 5, 9])
+    d = bench_serve._distance(exact, other)
+    kls = [F.kl_div(o.log_softmax(-1), e.log_softmax(-1), log_target=True, reduction="sum").item()
+           for e, o in zip(exact_logits[:3], other_logits[:3])]
+    assert d["positions"] == 3
+    assert d["kl_mean"] == pytest.approx(sum(kls) / 3, rel=1e-5) and d["kl_max"] == pytest.approx(max(kls), rel=1e-5)
+    assert d["top1"] == sum(int(e.argmax() == o.argmax()) for e, o in zip(exact_logits[:3], other_logits[:3])) / 3
+    assert d["top1"] >= 1 / 3  # position 1 agrees by construction
+
+
+def test_quality_contexts_need_exact_replay_and_another_configuration(capsys):
+    assert main(["bench-serve", "--config", "tiny", "--eager", "--configs", "bounded-replay",
+                 "--quality-contexts", "64"]) == 2
+    assert "--quality-contexts compares configurations with exact-replay" in capsys.readouterr().err
 
 
 def _examples() -> list[list[str]]:
