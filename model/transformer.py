@@ -2,7 +2,7 @@
 
     ids [B, T] --embed--> e [B, T, D] --repeat--> X [B, T, n, D]         pre = one_hot(0)
     for each layer:  (Engram layers) X = Engram(X, ids);   X, pre = Block(X, pre)
-    y = RMSNorm(hc_pre(X, pre));   logits = y_fp32 @ W_head_fp32^T      [B, T, vocab] fp32
+    y = RMSNorm(hc_pre(X, pre));   logits = head_logits(y, W_head)      [B, T, vocab] fp32
 
 Block (V4.1, pre delayed by one sublayer; `hc_delayed=False` gives V4's own-pre form):
 
@@ -93,6 +93,26 @@ class Block(nn.Module):
         return (*self._ffn_site(hc_post(attended, streams, q_a, c_a), p_a), published)
 
 
+# aten::mm.dtype (bf16/fp16 inputs, fp32 accumulation and output) exists on CUDA and XPU only.
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
+def head_logits(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [..., vocab] of y [..., D] against the head's weight [vocab, D] as stored.
+
+    The products of two bf16 values are exact in fp32, so both forms below compute the exact
+    products with fp32 accumulation and differ only in the order of the sums (docs/model.md
+    section 2). On CUDA (and XPU), a bf16 model reads its bf16 weight directly (`mm.dtype`, tensor
+    cores); elsewhere, and for fp32 / fp64 models, both operands are widened to fp32 first, the CPU
+    having no `mm.dtype`. A torch without `mm.dtype` takes the widened form everywhere.
+    """
+    # the fp32 form would cast the whole vocab x D weight at every step and multiply on CUDA cores
+    if (_MM_OUT_DTYPE and y.device.type in ("cuda", "xpu") and y.dtype == weight.dtype
+            and weight.dtype in (torch.bfloat16, torch.float16)):
+        return torch.mm(y.flatten(0, -2), weight.t(), out_dtype=torch.float32).unflatten(0, y.shape[:-1])
+    return y.float() @ weight.float().t()
+
+
 def run_eagerly(function, *args):
     """How the regions run their layers and head unless told otherwise: call them. A runtime passes
     a `run` of the same signature that compiles each distinct kind of layer once (runtime/graphs.py)."""
@@ -125,12 +145,12 @@ class Transformer(nn.Module):
         return streams, pre
 
     def logits(self, residual: Residual, pre) -> torch.Tensor:
-        """The head: the last pending post, the collapse, the final norm, the fp32 projection."""
+        """The head: the last pending post, the collapse, the final norm, the projection to fp32 logits."""
         streams = residual.resolve()
         if self.head_hc is not None:
             pre = self.head_hc(streams)
         y = self.norm(hc_pre(streams, pre))
-        return y.float() @ self.head.weight.float().t()
+        return head_logits(y, self.head.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, vocab] fp32 of a one-shot prefill of ids [B, T] from position 0."""

@@ -15,6 +15,22 @@ import torch
 # H200 HBM3e bandwidth, the roofline's denominator (docs/measuring.md, "Method")
 HBM_BYTES_PER_S = 4.3e12
 
+# Peak HBM bandwidth by device name, the vendor's figure: a whole step's floor (bench_decode) against
+# the most its memory can deliver. A key matches as part of torch.cuda.get_device_name() (the H100
+# SXM reports "NVIDIA H100 80GB HBM3"); the first match counts. A device not listed has no floor.
+HBM_PEAK_BYTES_PER_S = {"H100 80GB HBM3": 3.35e12, "H100 SXM": 3.35e12, "H200": 4.8e12}
+
+
+def peak_hbm_bytes_per_s(device_name: str) -> float:
+    """The peak HBM bandwidth of `device_name` (HBM_PEAK_BYTES_PER_S); ValueError naming the known
+    devices for one not listed (a floor against a guessed bandwidth would mislead)."""
+    for name, rate in HBM_PEAK_BYTES_PER_S.items():
+        if name in device_name:
+            return rate
+    raise ValueError(f"no peak HBM bandwidth is known for device {device_name!r} (known: "
+                     f"{', '.join(HBM_PEAK_BYTES_PER_S)}), so no floor; add its figure to "
+                     "megafuse.tools.bench_common.HBM_PEAK_BYTES_PER_S")
+
 
 def require_cuda(parser, dry_run: bool) -> None:
     """A usage error (exit 2) when a GPU run is asked for where there is no CUDA device."""

@@ -21,7 +21,15 @@ Stages, each saved as it finishes:
    `share` of their sum, so `share.mega_attention` is the fused attention's part of the step, and
    the `heaviest` kernel names (tools.common.count_kernels);
 3. no-passes-<B>: the same compiled by plain torch.compile (passes "none"), graphs on, profiled;
-4. summary: graphs' speed-up at each B (passes), the passes' speed-up at each B (graphs on).
+4. summary: graphs' speed-up at each B (passes), the passes' speed-up at each B (graphs on), and
+   the step with both over its floor ("x of floor"), also logged as a table.
+
+The floor (`floor`, before any stage): the bytes one decode step of B requests at the context must
+read at least (model.stats.decode_read_bytes: the weights it touches as stored, the routed experts of
+min(E, B x k) per layer, the cache rows its attention and indexers read, the head) over the device's
+peak HBM bandwidth (tools.bench_common.HBM_PEAK_BYTES_PER_S; a device not listed, and the CPU, get
+the bytes and no floor, with a note saying why). Each passes / no-passes stage gives its step times
+over that floor, `x_of_floor`: 1.0 would be a step that only streams those bytes at the peak rate.
 
 The first B's stages compile (minutes on a large preset). A run cut off by a time limit keeps its
 finished stages in the JSON; `--resume` with the same arguments continues it, keeping those and
@@ -43,8 +51,10 @@ import time
 import torch
 
 from megafuse.model import CacheLayout, build_model, resolve_config
+from megafuse.model.stats import decode_read_bytes
 from megafuse.runtime.graphs import CompiledStep
-from megafuse.tools.bench_common import Stages, default_out, require_cuda, step_wall_time, synthetic_decode_batch
+from megafuse.tools.bench_common import (Stages, default_out, peak_hbm_bytes_per_s, require_cuda, step_wall_time,
+                                         synthetic_decode_batch)
 from megafuse.tools.common import add_pass_arguments, count_kernels, positive_ints, selected_passes
 from megafuse.tools.output import environment
 
@@ -75,11 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     B_max, C = max(args.batches), args.context
     layout = CacheLayout.private(B_max, C + 1, PAGE_SIZE)
     chosen = selected_passes(args)
-    results = {"schema": "megafuse.bench_decode/3", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
+    results = {"schema": "megafuse.bench_decode/4", "config": cfg.name, "dtype": cfg.dtype, "quant": cfg.quant,
                "passes": chosen, "context": C, "batches": args.batches, "cache_layout": vars(layout),
                "method": "wall time of step() to a synchronised result, median of --repeat",
                "date": datetime.date.today().isoformat(), "environment": environment()}
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    results["floor"] = floor = decode_floor(cfg, args.batches, C, torch.cuda.get_device_name() if device.type == "cuda"
+                                            else None)
+    if floor["note"]:
+        log(floor["note"])
     stages = Stages(results, out, log)
     if args.resume:
         try:
@@ -131,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 out["capture_s"] = step.stats.capture_s - captured
                 out["graph_bytes"] = step.stats.graph_bytes - graph_bytes
                 out["graphs_vs_no_graphs_max_abs"] = (graph_logits - no_graph_logits).abs().max().item()
+        floor_s = floor["by_batch"][B]["floor_s"]
+        out["x_of_floor"] = {mode: _ratio(out.get(f"{mode}_step_s"), floor_s) for mode in ("no_graphs", "graphs")}
         return out
 
     def profile(step: CompiledStep, batch) -> dict:
@@ -151,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         for B in args.batches:
             fused, plain = results.get(f"passes-{B}", {}), results.get(f"no-passes-{B}", {})
             rows[B] = {"graphs_speedup": _ratio(fused.get("no_graphs_step_s"), fused.get("graphs_step_s")),
-                       "passes_speedup": _ratio(plain.get("graphs_step_s"), fused.get("graphs_step_s"))}
+                       "passes_speedup": _ratio(plain.get("graphs_step_s"), fused.get("graphs_step_s")),
+                       "floor_s": floor["by_batch"][B]["floor_s"],
+                       "x_of_floor": _ratio(fused.get("graphs_step_s"), floor["by_batch"][B]["floor_s"])}
+        log(summary_table(rows, floor))
         return rows
 
     stages.run("build", build)
@@ -165,6 +184,41 @@ def main(argv: list[str] | None = None) -> int:
         stages.run("summary", summary)
     log(f"wrote {out}")
     return 0 if all(s["ok"] for s in results["stages"].values()) else 1
+
+
+def decode_floor(cfg, batches, context: int, device_name: str | None) -> dict:
+    """The JSON's `floor`: per batch size the bytes a decode step must read (model.stats.decode_read_bytes)
+    and, where the device's peak HBM bandwidth is known, the time they take at it. `device_name`
+    None: the CPU's dry run, bytes only."""
+    if device_name is None:
+        rate, note = None, "a dry run on the CPU: the bytes a decode step must read, no floor (no HBM to divide by)"
+    else:
+        try:
+            rate, note = peak_hbm_bytes_per_s(device_name), None
+        except ValueError as e:
+            rate, note = None, str(e)
+    meta = build_model(cfg, device="meta")
+    by_batch = {}
+    for B in batches:
+        reads = decode_read_bytes(cfg, B, context, meta).to_dict()
+        by_batch[B] = reads | {"floor_s": reads["total"] / rate if rate else None}
+    return {"method": "bytes a decode step must read at least (model.stats.decode_read_bytes) / peak HBM bandwidth",
+            "device": device_name or "cpu", "hbm_peak_bytes_per_s": rate, "note": note, "by_batch": by_batch}
+
+
+def summary_table(rows: dict, floor: dict) -> str:
+    """The summary as a table for the log: per batch size the step (passes, graphs), its floor and the ratios."""
+    def cell(value, fmt):
+        return "-" if value is None else fmt.format(value)
+
+    lines = [f"{'batch':>5}  {'bytes read':>12}  {'floor':>9}  {'x of floor':>10}  {'graphs speed-up':>15}  "
+             f"{'passes speed-up':>15}"]
+    for B, row in rows.items():
+        floor_ms = row["floor_s"] * 1e3 if row["floor_s"] else None
+        lines.append(f"{B:>5}  {floor['by_batch'][B]['total'] / 1e9:>9.3f} GB  {cell(floor_ms, '{:.3f} ms'):>9}  "
+                     f"{cell(row['x_of_floor'], '{:.2f}x'):>10}  {cell(row['graphs_speedup'], '{:.2f}x'):>15}  "
+                     f"{cell(row['passes_speedup'], '{:.2f}x'):>15}")
+    return "\n".join(lines)
 
 
 def _ratio(slow: float | None, fast: float | None) -> float | None:

@@ -93,6 +93,11 @@ class _Widened(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is aten._grouped_mm.default:
             return _grouped_mm(*args, **kwargs)
+        if func is getattr(aten.mm, "dtype", None):
+            # the head's bf16 x bf16 -> fp32 product (model.transformer.head_logits on CUDA): exact
+            # products summed in fp32, as the widened form the CPU takes; the fp64 weight would not fit
+            a, b, out_dtype = args
+            return torch.mm(a.float(), b.float()).to(out_dtype)
         if func.is_view:  # a view of a weight keeps its dtype and costs nothing
             return func(*args, **kwargs)
         if func is aten._to_copy.default and kwargs.get("dtype", NARROW) != NARROW:
