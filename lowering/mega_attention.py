@@ -134,26 +134,7 @@ $COMBINERS
 $ROUND_16BIT
 
 
-@triton.jit
-def _round_e4m3(y):
-    """fp32 -> the nearest e4m3 value (ties to even; subnormals; |y| <= 448 given), as fp32."""
-    bits = y.to(tl.int32, bitcast=True)
-    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3's smallest normal exponent is -6
-    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    # x + 1.5 * 2^23 - 1.5 * 2^23 rounds x (|x| < 2^22) to an integer, ties to even, in fp32
-    return ((y / step + 12582912.0) - 12582912.0) * step
-
-
-@triton.jit
-def _mxfp8(x, BLOCK_H: tl.constexpr):
-    """Each block of 32 along the last dim through e4m3 under its ue8m0 scale (model.quant)."""
-    blocks = tl.reshape(x, (BLOCK_H, DH // 32, 32))
-    amax = tl.maximum(tl.reduce(tl.abs(blocks), 2, _maximum), $AMAX_FLOOR) / 448.0
-    bits = amax.to(tl.int32, bitcast=True)
-    biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # 2^ceil(log2(amax / 448))
-    scale = (tl.minimum(biased, 254) << 23).to(tl.float32, bitcast=True)
-    y = tl.minimum(tl.maximum(blocks / scale[:, :, None], -448.0), 448.0)
-    return tl.reshape(_round_e4m3(y) * scale[:, :, None], (BLOCK_H, DH))
+$MXFP8
 
 
 @triton.jit
@@ -293,7 +274,7 @@ def generate_source(spec: AttentionSpec) -> str:
     round_lines = ""
     if spec.out_dtype in _ROUNDING:
         round_lines = f"    o = _round_{spec.out_dtype}(o)  # the chain's o.to({spec.out_dtype}), in fp32 registers"
-    mxfp8_lines = "    o = _mxfp8(o, BLOCK_H)  # quant=\"ref\": MXFP8 in WO-A's input layout" if spec.mxfp8 else ""
+    mxfp8_lines = "    o = _mxfp8(o, BLOCK_H, DH)  # quant=\"ref\": MXFP8 in WO-A's input layout" if spec.mxfp8 else ""
     q_rope_lines = ""
     if spec.q_rope:
         q_round = f"_round_{spec.key_dtype}(q)" if spec.key_dtype in _ROUNDING else "q"
@@ -306,7 +287,7 @@ def generate_source(spec: AttentionSpec) -> str:
         COMBINERS=snippets.COMBINERS, ROUND_16BIT=snippets.ROUND_16BIT,
         KEY=spec.key(), SPEC_LINE=spec_line, KERNEL=KERNEL_NAME, H=spec.heads, DH=spec.head_dim,
         HALF=spec.head_dim // 2, ROPE_PAIRS=spec.rope_dim // 2, SCALE=repr(float(spec.scale)),
-        AMAX_FLOOR=repr(quant._FP8_AMAX_FLOOR), ROPE_LINES=_ROPE_LINES if spec.rope_dim else "",
+        MXFP8=snippets.MXFP8, ROPE_LINES=_ROPE_LINES if spec.rope_dim else "",
         ROUND_LINES=round_lines, MXFP8_LINES=mxfp8_lines, Q_ROPE_LINES=q_rope_lines)
 
 

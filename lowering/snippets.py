@@ -41,5 +41,30 @@ def _round_float16(x):
     return tl.where(x == x, rounded, x)
 '''
 
+MXFP8 = '''# MXFP8 (model.quant): each block of 32 along the last dim through e4m3 under its ue8m0 scale, in
+# integer and fp32 arithmetic (ties to even, subnormals, saturation at 448), so the interpreter and
+# the GPU round identically.
+@triton.jit
+def _round_e4m3(y):
+    """fp32 -> the nearest e4m3 value (ties to even; subnormals; |y| <= 448 given), as fp32."""
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3's smallest normal exponent is -6
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    # x + 1.5 * 2^23 - 1.5 * 2^23 rounds x (|x| < 2^22) to an integer, ties to even, in fp32
+    return ((y / step + 12582912.0) - 12582912.0) * step
+
+
+@triton.jit
+def _mxfp8(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """x [ROWS, COLS] with each block of 32 along COLS rounded through e4m3 under its ue8m0 scale."""
+    blocks = tl.reshape(x, (ROWS, COLS // 32, 32))
+    amax = tl.maximum(tl.reduce(tl.abs(blocks), 2, _maximum), 0.0001) / 448.0  # quant._FP8_AMAX_FLOOR
+    bits = amax.to(tl.int32, bitcast=True)
+    biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # 2^ceil(log2(amax / 448))
+    scale = (tl.minimum(biased, 254) << 23).to(tl.float32, bitcast=True)
+    y = tl.minimum(tl.maximum(blocks / scale[:, :, None], -448.0), 448.0)
+    return tl.reshape(_round_e4m3(y) * scale[:, :, None], (ROWS, COLS))
+'''
+
 # The generators hash this into their kernels' keys: an edit here changes every generated kernel.
 SOURCE = Path(__file__).read_bytes()

@@ -98,6 +98,15 @@ class Experts(nn.Module):
         self.w13 = weight((E, 2 * F_, D), D, dtype)  # [w1 | w3] rows, nn.Linear layout (out, in)
         self.w2 = weight((E, D, F_), F_, dtype)
 
+    @classmethod
+    def holding(cls, w13: torch.Tensor, w2: torch.Tensor, limit: float, mxfp8_inputs: bool = False) -> "Experts":
+        """Experts over the given weights, without a config: what a fused op's reference runs the
+        model's own dispatch with (lowering/mega_moe.py)."""
+        experts = cls.__new__(cls)
+        nn.Module.__init__(experts)
+        experts.limit, experts.mxfp8_inputs, experts.w13, experts.w2 = limit, mxfp8_inputs, w13, w2
+        return experts
+
     def _fp8(self, x: torch.Tensor) -> torch.Tensor:
         return fake_quant_mxfp8(x) if self.mxfp8_inputs else x
 

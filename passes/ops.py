@@ -21,6 +21,7 @@ from torch._inductor.lowering import fallback_handler, register_lowering
 from megafuse.lowering import mega_attention as attention_kernels
 from megafuse.lowering import mega_gate as gate_kernels
 from megafuse.lowering import mega_mhc as mhc_kernels
+from megafuse.lowering import mega_moe as moe_kernels
 
 
 # The kernel ops run once per layer and step in compiled code, so they are registered with the
@@ -327,3 +328,64 @@ def attention_fake(q, keys, valid, sink, angles, scale, out_dtype, mxfp8, q_rope
 mega_attention.register_fake(attention_fake)
 _kernel_op(mega_attention_kernel, attention_fake)
 _bind(torch.ops.megafuse.mega_attention.default, torch.ops.megafuse.mega_attention_kernel.default)
+
+
+# ---- megafuse::mega_moe ---------------------------------------------------------------------------
+# u [N, D], weights [N, k] fp32, ids [N, k] int64, w13 [E, 2F, D], w2 [E, D, F] -> out [N, D] in
+# out_dtype: the routed experts' sum (lowering/mega_moe.py). The shapes and dtypes of the tensors
+# bind n_experts, k, D, F and the input / weight dtypes; the scalars the rest.
+
+MOE_SCALARS = ("swiglu_limit", "mxfp8", "out_dtype", "precision", "weight_at", "weighted_dtype", "swiglu_dtype")
+
+
+def moe_spec(u, ids, w13, *scalars) -> "moe_kernels.MoeSpec":
+    """The MoeSpec of an op call (MOE_SCALARS order after the tensors)."""
+    return _moe_spec(w13.shape[0], ids.shape[-1], w13.shape[2], w13.shape[1] // 2, w13.dtype, u.dtype, scalars)
+
+
+@functools.cache  # one spec per site, asked for on every call of the op
+def _moe_spec(n_experts, k, hidden, expert_dim, weight_dtype, input_dtype, scalars) -> "moe_kernels.MoeSpec":
+    return moe_kernels.MoeSpec(n_experts=n_experts, k=k, hidden=hidden, expert_dim=expert_dim,
+                               weight_dtype=_dtype_name(weight_dtype), input_dtype=_dtype_name(input_dtype),
+                               **dict(zip(MOE_SCALARS, scalars, strict=True)))
+
+
+def moe_scalars(spec: "moe_kernels.MoeSpec") -> tuple:
+    """The op arguments after the five tensors that bind `spec` (the inverse of moe_spec)."""
+    return tuple(getattr(spec, name) for name in MOE_SCALARS)
+
+
+def moe_unsupported(u, weights, ids, w13, w2, *scalars) -> str | None:
+    """Why the kernel launch would refuse these inputs (fake tensors will do), or None."""
+    try:
+        moe_kernels.validate(u, weights, ids, w13, w2, moe_spec(u, ids, w13, *scalars))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@torch.library.custom_op("megafuse::mega_moe", mutates_args=())
+def mega_moe(u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+             swiglu_limit: float, mxfp8: bool, out_dtype: str, precision: str, weight_at: str,
+             weighted_dtype: str, swiglu_dtype: str) -> torch.Tensor:
+    """Routed experts (dispatch + w13 + clamped SwiGLU + weight before or after w2 (+ MXFP8) + w2 + sum
+    over k): the torch reference, the model's own `Experts` dispatch (weight before w2) or
+    lowering.mega_moe's plain formula (after)."""
+    spec = moe_spec(u, ids, w13, swiglu_limit, mxfp8, out_dtype, precision, weight_at, weighted_dtype, swiglu_dtype)
+    return moe_kernels.reference(u, weights, ids, w13, w2, spec)
+
+
+def mega_moe_kernel(u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor, swiglu_limit: float, mxfp8: bool, out_dtype: str,
+                    precision: str, weight_at: str, weighted_dtype: str, swiglu_dtype: str) -> torch.Tensor:
+    spec = moe_spec(u, ids, w13, swiglu_limit, mxfp8, out_dtype, precision, weight_at, weighted_dtype, swiglu_dtype)
+    return moe_kernels.mega_moe(u, weights, ids, w13, w2, spec)
+
+
+def moe_fake(u, weights, ids, w13, w2, swiglu_limit, mxfp8, out_dtype, precision, *roundings):
+    return u.new_empty(u.shape, dtype=moe_kernels.DTYPES[out_dtype])
+
+
+mega_moe.register_fake(moe_fake)
+_kernel_op(mega_moe_kernel, moe_fake)
+_bind(torch.ops.megafuse.mega_moe.default, torch.ops.megafuse.mega_moe_kernel.default)

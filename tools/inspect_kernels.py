@@ -218,7 +218,7 @@ def _hopper_build(op: str, launcher, args: tuple, kwargs: dict) -> dict:
     try:
         build = hopper_builds.h200_build(module, launcher, *args, **{**kwargs, "config": config})
     except Exception as e:  # e.g. a Triton without its bundled ptxas: say so; the rest of inspect stands
-        return {"note": f"not available: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        return {"note": f"not available: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"}
     return {"target": build.target, "registers": build.registers, "stack_bytes": build.stack_bytes,
             "shared_bytes": build.shared_bytes, "num_warps": build.num_warps, "num_stages": build.num_stages,
             "programs": build.grid[0], "config": dataclasses.asdict(config)}
