@@ -14,6 +14,8 @@ import torch
 
 # H200 HBM3e bandwidth, the roofline's denominator (docs/measuring.md, "Method")
 HBM_BYTES_PER_S = 4.3e12
+# dense bf16 MMA, the H200's sustained rate: a FLOP-bound chain's floor (docs/measuring.md, "Method")
+BF16_FLOPS = 660e12
 
 # Peak HBM bandwidth by device name, the vendor's figure: a whole step's floor (bench_decode) against
 # the most its memory can deliver. A key matches as part of torch.cuda.get_device_name() (the H100

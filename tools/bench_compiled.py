@@ -26,6 +26,10 @@ Chains (the spellings of issue-style user code, not the project's model):
         RMSNorm.
   gate  fp32 u [T, 5120] @ W^T (W [384, 5120] fp32), sqrt(softplus), + bias, top-6, gather,
         renormalise, x1.5.
+  moe   the model's own routed experts (model.moe.Experts) at flash-lite's widths: bf16 u [T, 5120],
+        24 experts of width 2304, top-6 of a seeded routing, MXFP8 inputs (quant="ref"); its floor
+        is max(bytes / HBM, FLOPs / the bf16 MMA rate): the min(E, 6T) experts' weights a call reads,
+        and 2 x 3 x D x F FLOPs a slot.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megafuse import passes
-from megafuse.tools.bench_common import HBM_BYTES_PER_S, Stages, default_out, require_cuda, time_graph_us
+from megafuse.model import preset
+from megafuse.model.moe import Experts
+from megafuse.tools.bench_common import BF16_FLOPS, HBM_BYTES_PER_S, Stages, default_out, require_cuda, time_graph_us
 
 TOKENS = (1, 64, 512, 4096)
 HC, DIM, EXPERTS, TOP_K, SINKHORN_ITERS = 4, 5120, 384, 6, 20
@@ -108,22 +114,60 @@ class PlainRouter(nn.Module):
         return (torch.randn(T, self.weight.shape[1], generator=torch.Generator().manual_seed(seed)).to(device),)
 
 
+class RoutedExperts(nn.Module):
+    """The model's routed experts (model.moe.Experts, the module Mega-MoE matches) of config `cfg`,
+    fed a seeded routing: (u, weights, ids) -> [T, D]."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        torch.manual_seed(0)
+        self.cfg, self.experts = cfg, Experts(cfg, torch.bfloat16)
+
+    def forward(self, u, weights, ids):
+        return self.experts(u, weights, ids)
+
+    def inputs(self, T: int, device, seed: int):
+        g, cfg = torch.Generator().manual_seed(seed), self.cfg
+        ids = torch.rand(T, cfg.n_experts, generator=g).topk(cfg.n_active_experts, dim=-1).indices
+        weights = torch.rand(T, cfg.n_active_experts, generator=g) + 0.1
+        u = torch.randn(T, cfg.dim, generator=g).bfloat16()
+        return tuple(t.to(device) for t in (u, weights / weights.sum(-1, keepdim=True), ids))
+
+
+# flash-lite's routed experts; the dry run's: tiny's widths with flash-lite's rules
+MOE_CONFIG = {False: preset("flash-lite"), True: preset("tiny").replace(quant="ref")}
+
+
 def chain(op: str, dry_run: bool) -> nn.Module:
     """The chain at V4.1 widths, or at the dry run's."""
     dim = DRY_RUN["dim"] if dry_run else DIM
     if op == "mhc":
         return PlainSeam(HC, dim, iters=DRY_RUN["iters"] if dry_run else SINKHORN_ITERS)
+    if op == "moe":
+        return RoutedExperts(MOE_CONFIG[dry_run])
     return PlainRouter(DRY_RUN["experts"] if dry_run else EXPERTS, dim, TOP_K)
 
 
-CHAINS = {"mhc": "mega_mhc", "gate": "mega_gate"}  # op -> its pass
+CHAINS = {"mhc": "mega_mhc", "gate": "mega_gate", "moe": "mega_moe"}  # op -> its pass
+
+
+def moe_floor(cfg, T: int) -> tuple[int, int]:
+    """(bytes, FLOPs) a call of the routed experts must read and do: the weights of the min(E, T k)
+    experts it can touch (bf16), u and the output (bf16), the routing (fp32 weights, int64 ids)."""
+    D, F_, k = cfg.dim, cfg.expert_dim, cfg.n_active_experts
+    nbytes = min(cfg.n_experts, T * k) * 3 * D * F_ * 2 + 2 * T * D * 2 + T * k * (4 + 8)
+    return nbytes, 2 * T * k * 3 * D * F_
 
 
 def floor_us(op: str, T: int) -> float:
-    """The chain's memory floor at V4.1 widths: its compulsory HBM bytes / HBM bandwidth."""
+    """The chain's floor at V4.1 widths: its compulsory HBM bytes / HBM bandwidth (and for the
+    experts, the larger of that and their FLOPs / the bf16 MMA rate)."""
     if op == "mhc":
         from megafuse.tools.bench_mhc import V41, seam_bytes
         nbytes = seam_bytes(T, V41)
+    elif op == "moe":
+        nbytes, flops = moe_floor(MOE_CONFIG[False], T)
+        return max(nbytes / HBM_BYTES_PER_S, flops / BF16_FLOPS) * 1e6
     else:
         from megafuse.tools.bench_gate import V4, gate_bytes
         nbytes = gate_bytes(V4, T)
@@ -142,6 +186,8 @@ def eager_call_us(fn, calls: int = EAGER_CALLS) -> float:
 
 
 def _errors(op: str, got, ref) -> dict:
+    if op == "moe":
+        return {"out": ((got.float() - ref.float()).norm() / ref.float().norm()).item()}
     if op == "gate":
         (w, ids), (w_ref, ids_ref) = got, ref
         return {"ids_equal_fraction": (ids.sort(-1).values == ids_ref.sort(-1).values).all(-1).float().mean().item(),
@@ -224,7 +270,7 @@ def bench_chain(op: str, T: int, log, dry_run: bool = False) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m megafuse.tools.bench_compiled", description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="the results JSON (default results/compiled/bench.json)")
-    ap.add_argument("--ops", default="mhc,gate", help="comma-separated: mhc, gate")
+    ap.add_argument("--ops", default=",".join(CHAINS), help=f"comma-separated: {', '.join(CHAINS)} (default: all)")
     ap.add_argument("--tokens", help=f"comma-separated token counts (default {','.join(map(str, TOKENS))}; "
                                      f"dry run {','.join(map(str, DRY_RUN['tokens']))})")
     ap.add_argument("--dry-run", action="store_true",
