@@ -7,6 +7,8 @@
                    renormalise + scale in one launch), its launcher and its torch reference
     mega_mhc       (a package) MhcSpec -> the Mega-mHC kernel (post + coefficients + Sinkhorn + pre +
                    RMSNorm in one launch), its launch configurations, launcher and torch reference
+    mega_indexer   IndexerSpec -> the Mega-Indexer kernels (index keys decoded from the cache bytes,
+                   scores, the top-k by a radix search: no sort), its launcher and reference
     launch         what both launchers share: kept launches per input layout, fast output
                    allocation, the per-device key of persistent state
     offline        build a launcher's kernel for a GPU that is not here (sm_90 by default): PTX,

@@ -80,6 +80,15 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(idx == beyond, -1, idx)
 
 
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """I[b, t, n] = sum_h w[b,t,h] relu(q[b,t,h] . k_n) in fp32, -inf where not visible: q [B, T, H, d],
+    w [B, T, H] fp32, keys [B, N, d] shared by a sequence's queries or [B, T, N, d] per query."""
+    per_query = "btnd" if keys.dim() == 4 else "bnd"
+    logits = torch.relu(torch.einsum(f"bthd,{per_query}->bthn", q.float(), keys.float()))
+    scores = torch.einsum("bth,bthn->btn", w, logits)
+    return scores.masked_fill(~visible, NEG_INF)
+
+
 def candidate_mask(scores: torch.Tensor, positions: torch.Tensor, ratio: int, n_blocks_kept: int,
                    block_size: int) -> torch.Tensor:
     """Two-level selection of the candidate source: [B, T, N] bool of the entries in kept blocks.
@@ -221,10 +230,7 @@ class Indexer(nn.Module):
         q = self.wq(qr).unflatten(-1, (self.heads, self.head_dim))
         q = self._fp4(apply_rope(q, angles[:, :, None, :]))
         w = self.weights_proj(u).float() * (self.head_dim ** -0.5 * self.heads ** -0.5)
-        per_query = "btnd" if keys.dim() == 4 else "bnd"
-        logits = torch.relu(torch.einsum(f"bthd,{per_query}->bthn", q.float(), keys.float()))
-        scores = torch.einsum("bth,bthn->btn", w, logits)
-        return scores.masked_fill(~visible, NEG_INF)
+        return index_scores(q, w, keys, visible)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,348 @@
+"""Mega-Indexer: a lightning indexer's step (index keys from their cache bytes, scores, top-k) in generated Triton.
+
+For R query rows, each of a request whose index keys lie in the cache pool's pages:
+
+    keys[r, n]  = decode(pool[pages[r, n // P], n % P])     P entries a page; the row's bytes decoded
+    I[r, n]     = sum_h w[r, h] relu(q[r, h] . keys[r, n])    q [R, H, d], w [R, H] fp32
+    I[r, n]     = -inf where n >= (positions[r] + 1) // ratio  (entries the row cannot see yet)
+    topk[r]     = the K entries of largest I (ties to the lowest entry), ascending, -1 where fewer
+                  than K are visible
+
+This is the model's `Attention._select` on its step path without candidate blocks
+(`model.attention.index_scores` and `select_topk` over `row_codec(cfg, "index_keys").decode`):
+`reference` calls those functions, so the formula exists once.
+
+Kernels (one generated module, two launches in stream order)
+------------------------------------------------------------
+1. `mega_indexer_kernel`, grid (R, N / BLOCK_N): each program decodes BLOCK_N entries of its row
+   straight from the pool's bytes (the page table gathers the pages; no decoded copy of the keys
+   exists), takes the H x BLOCK_N logits in one `tl.dot`, then ReLU, the head weights, the sum over
+   heads and the visibility mask in registers, and stores the scores [R, N] fp32.
+2. `_select_kernel`, grid (R,): the top-K without a sort. Each score maps to an unsigned key that
+   orders as the float does; a radix search over the 32 key bits, MSB first, finds the K-th largest
+   key t (count(key >= t) >= K > count(key > t)); one sweep in entry order then writes the entries
+   above t and the lowest-entry ones equal to it, which comes out ascending, and pads with -1.
+
+Numerics: MXFP4 keys and queries hold two significant bits, so their products are exact in the
+bf16 `tl.dot` with fp32 accumulation; raw keys (quant "none") dot in fp32 ("ieee"). The sums run in
+another order than torch's einsum, so a score can differ in its last fp32 bit and an entry within
+that of the K-th score can be chosen instead of its neighbour: the same top-k sets, ties aside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton.language  # noqa: F401  (import Triton before any kernel module: see kernel_cache)
+
+from megafuse.model.attention import index_scores, select_topk, visible_entries
+from megafuse.model.cache import RowCodec, _quant_codec, _raw_codec
+
+from . import kernel_cache, snippets
+from .launch import COMPILE_OPTIONS, empty
+
+KEY_FORMATS = {"index_mxfp4": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+MXFP4_BLOCK = 32
+KERNEL_NAME = "mega_indexer_kernel"
+KERNEL_NAMES = (KERNEL_NAME, "_select_kernel")
+
+
+@dataclass(frozen=True)
+class IndexerSpec:
+    """What the generator specialises on. key_format: the pool rows' format ("index_mxfp4", or the
+    raw bits of "float32" / "bfloat16" keys); q_dtype: the queries' dtype."""
+    heads: int
+    head_dim: int
+    topk: int
+    ratio: int
+    per_page: int  # entries a page holds
+    key_format: str
+    q_dtype: str
+    q_bf16_values: bool = False  # q holds bf16 values (MXFP4-rounded, or bf16): its dot may run in bf16
+
+    @functools.cache
+    def key(self) -> str:
+        fields = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha1((fields + _GENERATOR_FINGERPRINT).encode()).hexdigest()[:12]
+
+    def describe(self) -> dict:
+        return dataclasses.asdict(self) | {"key": self.key(), "unsupported": unsupported_reason(self)}
+
+    def codec(self) -> RowCodec:
+        """The model's codec of these rows (model/cache.py)."""
+        if self.key_format == "index_mxfp4":
+            return _quant_codec("index_mxfp4", self.head_dim)
+        return _raw_codec(self.head_dim, KEY_FORMATS[self.key_format])
+
+    @property
+    def row_bytes(self) -> int:
+        return self.codec().row_bytes
+
+
+def unsupported_reason(spec: IndexerSpec) -> str | None:
+    """None if the generator handles `spec`, else a sentence saying why not (for the pass report)."""
+    if spec.key_format not in KEY_FORMATS:
+        return f"key format {spec.key_format!r} is not one of {', '.join(KEY_FORMATS)}"
+    if spec.q_dtype not in ("float32", "bfloat16"):
+        return f"query dtype {spec.q_dtype!r} is not float32 or bfloat16"
+    if spec.heads < 1 or spec.head_dim < 16 or spec.head_dim & (spec.head_dim - 1):
+        return f"head_dim {spec.head_dim} must be a power of two >= 16 (the reduction of one tl.dot)"
+    if spec.key_format == "index_mxfp4" and spec.head_dim % MXFP4_BLOCK:
+        return f"MXFP4 blocks of {MXFP4_BLOCK} must tile head_dim {spec.head_dim}"
+    if spec.topk < 1 or spec.ratio < 1 or spec.per_page < 1:
+        return f"top-{spec.topk}, ratio {spec.ratio} and {spec.per_page} entries a page must all be positive"
+    return None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------------------------
+# The generated module
+# ----------------------------------------------------------------------------------------------
+
+_MXFP4_DECODE = '''@triton.jit
+def _decode_keys(rows, n_ok):
+    """[BLOCK_N, D] fp32 keys from MXFP4 rows: element 2i in the low nibble of byte i, then one ue8m0
+    byte per block of 32 (model/quant.py)."""
+    d = tl.arange(0, D)
+    byte = tl.load(rows[:, None] + (d // 2)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+    code = (byte >> ((d % 2) * 4)[None, :]) & 0xF
+    c = (code & 7).to(tl.float32)
+    magnitude = tl.where(c < 4, 0.5 * c, tl.where(c < 6, c - 2.0, 2.0 * c - 8.0))
+    value = tl.where((code & 8) != 0, -magnitude, magnitude)
+    e = tl.load(rows[:, None] + (d // 32 + D // 2)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+    scale = tl.where(e == 0, 2.0 ** -127, (e << 23).to(tl.float32, bitcast=True))
+    return value * scale  # exact: 2 significant bits times a power of two'''
+
+_RAW_DECODE = '''@triton.jit
+def _decode_keys(rows, n_ok):
+    \"\"\"[BLOCK_N, D] fp32 keys from raw little-endian $DTYPE rows.\"\"\"
+    d = tl.arange(0, D)
+    bits = tl.full([BLOCK_N, D], 0, tl.int32)
+    for b in tl.static_range(WIDTH):
+        byte = tl.load(rows[:, None] + (d * WIDTH + b)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+        bits = bits | (byte << (8 * b))
+    return $FROM_BITS'''
+
+_TEMPLATE = string.Template('''\"\"\"Mega-Indexer kernels for spec $KEY, generated by megafuse.lowering.mega_indexer. Do not edit.
+
+spec: $SPEC_LINE
+\"\"\"
+import triton
+import triton.language as tl
+
+H = tl.constexpr($H)
+H_PAD = tl.constexpr($H_PAD)  # tl.dot's rows: at least 16
+D = tl.constexpr($D)
+K = tl.constexpr($K)
+RATIO = tl.constexpr($RATIO)
+PER_PAGE = tl.constexpr($PER_PAGE)
+ROW_BYTES = tl.constexpr($ROW_BYTES)
+WIDTH = tl.constexpr($WIDTH)
+BLOCK_N = tl.constexpr($BLOCK_N)
+
+$COMBINERS
+
+$DECODE
+
+
+@triton.jit
+def mega_indexer_kernel(q_ptr, w_ptr, pool_ptr, pages_ptr, positions_ptr, scores_ptr, N, pages_stride,
+                        INTERPRETED: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    visible = n < (tl.load(positions_ptr + r).to(tl.int32) + 1) // RATIO
+    n_ok = (n < N) & visible
+    page = tl.load(pages_ptr + r * pages_stride + n // PER_PAGE, mask=n_ok, other=0).to(tl.int64)
+    keys = _decode_keys(pool_ptr + (page * PER_PAGE + n % PER_PAGE) * ROW_BYTES, n_ok)
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + r * H * D + h[:, None] * D + d[None, :], mask=(h < H)[:, None], other=0.0).to(tl.float32)
+$DOT_LINES
+    w = tl.load(w_ptr + r * H + h, mask=h < H, other=0.0)
+    scores = tl.reduce(tl.maximum(logits, 0.0) * w[:, None], 0, _add)
+    tl.store(scores_ptr + r * N + n, tl.where(visible, scores, float("-inf")), mask=n < N)
+
+
+@triton.jit
+def _order_key(scores):
+    \"\"\"uint32 keys that order as the fp32 scores do: the sign bit flipped for +, every bit for -.\"\"\"
+    bits = scores.to(tl.uint32, bitcast=True)
+    return bits ^ tl.where((bits >> 31) != 0, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
+
+
+@triton.jit
+def _count(row_ptr, N, threshold, STRICT: tl.constexpr, BLOCK: tl.constexpr):
+    \"\"\"How many of the row's keys lie above `threshold` (STRICT) or at or above it.\"\"\"
+    count = 0
+    for start in range(0, N, BLOCK):
+        n = start + tl.arange(0, BLOCK)
+        key = _order_key(tl.load(row_ptr + n, mask=n < N, other=float("-inf")))
+        if STRICT:
+            hit = key > threshold
+        else:
+            hit = key >= threshold
+        count += tl.reduce((hit & (n < N)).to(tl.int32), 0, _add)
+    return count
+
+
+@triton.jit
+def _select_kernel(scores_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    row = scores_ptr + r * N
+    zero = (tl.program_id(0) * 0).to(tl.uint32)
+    threshold = zero + 0x00800000  # the key of -FLT_MAX: -inf (not visible) lies below it
+    if _count(row, N, threshold, False, BLOCK) > K:
+        prefix = zero  # the K-th largest key, bit by bit from the top
+        for i in range(32):
+            candidate = prefix | ((zero + 1) << (31 - i))
+            if _count(row, N, candidate, False, BLOCK) >= K:
+                prefix = candidate
+        threshold = prefix
+    need = K - _count(row, N, threshold, True, BLOCK)  # of the keys equal to the threshold
+    written = 0
+    equal_seen = 0
+    for start in range(0, N, BLOCK):
+        n = start + tl.arange(0, BLOCK)
+        key = _order_key(tl.load(row + n, mask=n < N, other=float("-inf")))
+        above = (key > threshold) & (n < N)
+        equal = ((key == threshold) & (n < N)).to(tl.int32)
+        equal_rank = equal_seen + tl.cumsum(equal, 0) - equal
+        chosen = (above | ((equal != 0) & (equal_rank < need))).to(tl.int32)
+        slot = written + tl.cumsum(chosen, 0) - chosen
+        tl.store(out_ptr + r * K + slot, n.to(tl.int64), mask=chosen != 0)
+        written += tl.reduce(chosen, 0, _add)
+        equal_seen += tl.reduce(equal, 0, _add)
+    for start in range(0, K, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        tl.store(out_ptr + r * K + slot, tl.full([BLOCK], -1, tl.int64), mask=(slot >= written) & (slot < K))
+''')
+
+# Any edit of this module or of the shared snippets changes every spec's key.
+_GENERATOR_FINGERPRINT = hashlib.sha1(Path(__file__).read_bytes() + snippets.SOURCE).hexdigest()
+
+
+def generate_source(spec: IndexerSpec, block_n: int = 64) -> str:
+    """The Triton module of `spec` (raises ValueError for an unsupported spec)."""
+    reason = unsupported_reason(spec)
+    if reason:
+        raise ValueError(f"mega_indexer cannot generate this spec: {reason}")
+    width = 1
+    if spec.key_format == "index_mxfp4":
+        decode = _MXFP4_DECODE
+    else:
+        width = KEY_FORMATS[spec.key_format].itemsize
+        from_bits = ("bits.to(tl.float32, bitcast=True)" if width == 4 else
+                     "(bits << 16).to(tl.float32, bitcast=True)  # bf16 bits are fp32's upper half")
+        decode = string.Template(_RAW_DECODE).substitute(DTYPE=spec.key_format, FROM_BITS=from_bits)
+    if spec.q_bf16_values and spec.key_format != "float32":
+        # both operands are bf16 values: their products are exact, the sums fp32's
+        dot = ("    if INTERPRETED:  # numpy cannot dot bf16: the same exact products in fp32\n"
+               "        logits = tl.dot(q, tl.trans(keys), tl.full([H_PAD, BLOCK_N], 0.0, tl.float32),\n"
+               "                        input_precision=\"ieee\")\n"
+               "    else:\n"
+               "        logits = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)),\n"
+               "                        tl.full([H_PAD, BLOCK_N], 0.0, tl.float32))")
+    else:
+        dot = ("    logits = tl.dot(q, tl.trans(keys), tl.full([H_PAD, BLOCK_N], 0.0, tl.float32),\n"
+               "                    input_precision=\"ieee\")")
+    spec_line = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(spec).items())
+    return _TEMPLATE.substitute(
+        KEY=spec.key(), SPEC_LINE=spec_line, H=spec.heads, H_PAD=max(16, _next_pow2(spec.heads)), D=spec.head_dim, K=spec.topk, RATIO=spec.ratio,
+        PER_PAGE=spec.per_page, ROW_BYTES=spec.row_bytes, WIDTH=width, BLOCK_N=block_n,
+        COMBINERS=snippets.COMBINERS, DECODE=decode, DOT_LINES=dot)
+
+
+def kernel_name(spec: IndexerSpec, block_n: int) -> str:
+    return f"mega_indexer_{spec.key()}_{block_n}"
+
+
+def load(spec: IndexerSpec, block_n: int, interpret: bool, attr: str):
+    """The jitted kernel `attr` (one of KERNEL_NAMES) of `spec`'s module for one mode."""
+    return kernel_cache.load_generated(kernel_name(spec, block_n), lambda: generate_source(spec, block_n), attr,
+                                       interpret)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configuration, launcher and reference
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Entries per scoring program (BLOCK_N) and per step of the selection's sweeps (block_select)."""
+    block_n: int
+    block_select: int
+    num_warps: int = 4
+
+
+def choose_config(spec: IndexerSpec, n_rows: int, *, device: torch.device | str = "cuda") -> LaunchConfig:
+    """Hopper: 64 entries a scoring program (H x 64 logits over D in one MMA), sweeps of 1024 scores.
+    The interpreter runs programs one after the other: wider blocks, fewer of them."""
+    if torch.device(device).type == "cuda":
+        return LaunchConfig(block_n=64, block_select=1024, num_warps=4)
+    return LaunchConfig(block_n=128, block_select=_next_pow2(max(spec.topk, 256)))
+
+
+def validate(q, w, pool, pages, positions, spec: IndexerSpec) -> None:
+    """Raise ValueError if the launcher must refuse these inputs (shapes, dtypes, devices only: a
+    pass runs it on a match's fake tensors)."""
+    reason = unsupported_reason(spec)
+    if reason:
+        raise ValueError(f"mega_indexer: unsupported spec: {reason}")
+    H, D = spec.heads, spec.head_dim
+    if q.dim() != 3 or tuple(q.shape[1:]) != (H, D) or q.dtype != getattr(torch, spec.q_dtype):
+        raise ValueError(f"mega_indexer: q must be {spec.q_dtype} [R, {H}, {D}], got {q.dtype} {list(q.shape)}")
+    R = q.shape[0]
+    if tuple(w.shape) != (R, H) or w.dtype != torch.float32:
+        raise ValueError(f"mega_indexer: w must be float32 [{R}, {H}], got {w.dtype} {list(w.shape)}")
+    if pool.dim() != 3 or tuple(pool.shape[1:]) != (spec.per_page, spec.row_bytes) or pool.dtype != torch.uint8:
+        raise ValueError(f"mega_indexer: pool must be uint8 [pages, {spec.per_page}, {spec.row_bytes}], got "
+                         f"{pool.dtype} {list(pool.shape)}")
+    if pages.dim() != 2 or pages.shape[0] != R or pages.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"mega_indexer: pages must be int32/int64 [{R}, max_pages], got {pages.dtype} {list(pages.shape)}")
+    if tuple(positions.shape) != (R,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"mega_indexer: positions must be int [{R}], got {positions.dtype} {list(positions.shape)}")
+    devices = {t.device for t in (q, w, pool, pages, positions)}
+    if len(devices) > 1:
+        raise ValueError(f"mega_indexer: inputs on several devices: {sorted(map(str, devices))}")
+
+
+def mega_indexer(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, positions: torch.Tensor,
+                 spec: IndexerSpec, config: LaunchConfig | None = None) -> torch.Tensor:
+    """topk [R, K] int64 (module doc): every entry the rows' pages can hold is scored."""
+    validate(q, w, pool, pages, positions, spec)
+    R, device = q.shape[0], q.device
+    N = pages.shape[1] * spec.per_page
+    out = empty((R, spec.topk), torch.int64, device)
+    if R == 0:
+        return out
+    cfg = config or choose_config(spec, R, device=device)
+    q, w, pool = q.contiguous(), w.contiguous(), pool.contiguous()
+    pages, positions = pages if pages.stride(1) == 1 else pages.contiguous(), positions.contiguous()
+    scores = empty((R, N), torch.float32, device)
+    interpret = device.type != "cuda"
+    options = dict(num_warps=cfg.num_warps, **COMPILE_OPTIONS)
+    score, select = (load(spec, cfg.block_n, interpret, name) for name in KERNEL_NAMES)
+    with contextlib.nullcontext() if interpret else torch.cuda.device(device):
+        score[(R, -(-N // cfg.block_n))](q, w, pool, pages, positions, scores, N, pages.stride(0),
+                                         INTERPRETED=interpret, **options)
+        select[(R,)](scores, out, N, BLOCK=cfg.block_select, **options)
+    return out
+
+
+def reference(q, w, pool, pages, positions, spec: IndexerSpec) -> torch.Tensor:
+    """The model's own step: the pages' rows decoded, `index_scores`, `select_topk`."""
+    keys = spec.codec().decode(pool[pages].flatten(1, 2), q.dtype)  # [R, N, d]
+    visible = visible_entries(positions, keys.shape[1], spec.ratio)
+    scores = index_scores(q[None], w[None], keys[None], visible[None])
+    return select_topk(scores, spec.topk)[0]
