@@ -41,6 +41,13 @@ def device_key(device: torch.device) -> str:
     return str(device)
 
 
+def require_one_device(op: str, *tensors: torch.Tensor) -> None:
+    """ValueError naming the devices when a launcher's inputs are not all on one."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"{op}: inputs on several devices: {sorted(map(str, devices))}")
+
+
 def empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.empty(shape) contiguous. On the current CUDA device it goes through the allocator entry
     Inductor's generated wrappers use, which skips torch.empty's argument parsing: a few

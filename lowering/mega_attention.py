@@ -61,7 +61,7 @@ from megafuse.model.attention import sparse_attention_with_sink
 from megafuse.model.rope import apply_rope
 
 from . import kernel_cache, snippets
-from .launch import COMPILE_OPTIONS, empty
+from .launch import COMPILE_OPTIONS, empty, require_one_device
 
 KERNEL_NAME = "mega_attention_kernel"
 COMBINE_NAME = f"{KERNEL_NAME}_combine"
@@ -333,9 +333,7 @@ def validate(q, keys, valid, sink, angles, spec: AttentionSpec) -> None:
     for name, t in (("q", q), ("keys", keys)):
         if t.dtype != DTYPES[spec.key_dtype]:
             raise ValueError(f"mega_attention: {name} dtype {t.dtype} does not match spec key_dtype {spec.key_dtype}")
-    devices = {t.device for t in (q, keys, valid, sink, angles)}
-    if len(devices) > 1:
-        raise ValueError(f"mega_attention: inputs on several devices: {sorted(map(str, devices))}")
+    require_one_device("mega_attention", q, keys, valid, sink, angles)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from megafuse.model.attention import index_scores, select_topk, visible_entries
 from megafuse.model.cache import RowCodec, _quant_codec, _raw_codec
 
 from . import kernel_cache, snippets
-from .launch import COMPILE_OPTIONS, empty
+from .launch import COMPILE_OPTIONS, empty, require_one_device
 
 KEY_FORMATS = {"index_mxfp4": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 MXFP4_BLOCK = 32
@@ -312,9 +312,7 @@ def validate(q, w, pool, pages, positions, spec: IndexerSpec) -> None:
         raise ValueError(f"mega_indexer: pages must be int32/int64 [{R}, max_pages], got {pages.dtype} {list(pages.shape)}")
     if tuple(positions.shape) != (R,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"mega_indexer: positions must be int [{R}], got {positions.dtype} {list(positions.shape)}")
-    devices = {t.device for t in (q, w, pool, pages, positions)}
-    if len(devices) > 1:
-        raise ValueError(f"mega_indexer: inputs on several devices: {sorted(map(str, devices))}")
+    require_one_device("mega_indexer", q, w, pool, pages, positions)
 
 
 def mega_indexer(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, positions: torch.Tensor,

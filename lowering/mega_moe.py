@@ -76,7 +76,7 @@ from megafuse.model.moe import Experts, sum_slots
 from megafuse.model.quant import fake_quant_mxfp8
 
 from . import kernel_cache, snippets
-from .launch import COMPILE_OPTIONS, empty
+from .launch import COMPILE_OPTIONS, empty, require_one_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRECISIONS = ("ieee", "tf32x3", "tf32")
@@ -424,9 +424,7 @@ def validate(u, weights, ids, w13, w2, spec: MoeSpec) -> None:
     for name, t, shape in (("w13", w13, (E, 2 * F, D)), ("w2", w2, (E, D, F))):
         if tuple(t.shape) != shape or t.dtype != DTYPES[spec.weight_dtype]:
             raise ValueError(f"mega_moe: {name} must be {spec.weight_dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
-    devices = {t.device for t in (u, weights, ids, w13, w2)}
-    if len(devices) > 1:
-        raise ValueError(f"mega_moe: inputs on several devices: {sorted(map(str, devices))}")
+    require_one_device("mega_moe", u, weights, ids, w13, w2)
 
 
 def mega_moe(u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
