@@ -5,12 +5,15 @@ For R query rows, each of a request whose index keys lie in the cache pool's pag
     keys[r, n]  = decode(pool[pages[r, n // P], n % P])     P entries a page; the row's bytes decoded
     I[r, n]     = sum_h w[r, h] relu(q[r, h] . keys[r, n])    q [R, H, d], w [R, H] fp32
     I[r, n]     = -inf where n >= (positions[r] + 1) // ratio  (entries the row cannot see yet)
+                  or where not allowed[r, n]
     topk[r]     = the K entries of largest I (ties to the lowest entry), ascending, -1 where fewer
                   than K are visible
 
-This is the model's `Attention._select` on its step path without candidate blocks
-(`model.attention.index_scores` and `select_topk` over `row_codec(cfg, "index_keys").decode`):
-`reference` calls those functions, so the formula exists once.
+where `allowed` [R, N] (optional, bool) also masks the scores: a reindex layer's candidate blocks.
+The op returns the masked scores beside the top-k (the candidate source picks its blocks from them).
+This is the model's `Attention._select` on its step path (`model.attention.index_scores` and
+`select_topk` over `row_codec(cfg, "index_keys").decode`): `reference` calls those functions, so
+the formula exists once.
 
 Kernels (one generated module, two launches in stream order)
 ------------------------------------------------------------
@@ -23,9 +26,9 @@ Kernels (one generated module, two launches in stream order)
    key t (count(key >= t) >= K > count(key > t)); one sweep in entry order then writes the entries
    above t and the lowest-entry ones equal to it, which comes out ascending, and pads with -1.
 
-Numerics: MXFP4 keys and queries hold two significant bits, so their products are exact in the
-bf16 `tl.dot` with fp32 accumulation; raw keys (quant "none") dot in fp32 ("ieee"). The sums run in
-another order than torch's einsum, so a score can differ in its last fp32 bit and an entry within
+Numerics: bf16 queries against keys of bf16 values (MXFP4, or raw bf16) dot exactly in bf16 with
+fp32 accumulation; otherwise the dot runs in tf32x3 (each operand split in two tf32 parts: exact
+where one side holds few bits, as MXFP4 keys and the model's MXFP4-rounded queries do). The sums run in another order than torch's einsum, so a score can differ in its last fp32 bit and an entry within
 that of the K-th score can be chosen instead of its neighbour: the same top-k sets, ties aside.
 """
 
@@ -49,16 +52,16 @@ from megafuse.model.cache import RowCodec, _quant_codec, _raw_codec
 from . import kernel_cache, snippets
 from .launch import COMPILE_OPTIONS, empty, require_one_device
 
-KEY_FORMATS = {"index_mxfp4": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 MXFP4_BLOCK = 32
+# the pool rows' formats (model/cache.py row_codec): MXFP4 (quant "ref"), or raw fp32 / bf16 bits (quant "none")
+KEY_FORMATS = {"index_mxfp4": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 KERNEL_NAME = "mega_indexer_kernel"
 KERNEL_NAMES = (KERNEL_NAME, "_select_kernel")
 
 
 @dataclass(frozen=True)
 class IndexerSpec:
-    """What the generator specialises on. key_format: the pool rows' format ("index_mxfp4", or the
-    raw bits of "float32" / "bfloat16" keys); q_dtype: the queries' dtype."""
+    """What the generator specialises on. key_format: the pool rows' format (KEY_FORMATS)."""
     heads: int
     head_dim: int
     topk: int
@@ -66,7 +69,7 @@ class IndexerSpec:
     per_page: int  # entries a page holds
     key_format: str
     q_dtype: str
-    q_bf16_values: bool = False  # q holds bf16 values (MXFP4-rounded, or bf16): its dot may run in bf16
+    allowed: bool = False  # a bool [R, N] mask narrows the selectable entries (a reindex layer's candidate blocks)
 
     @functools.cache
     def key(self) -> str:
@@ -148,8 +151,9 @@ K = tl.constexpr($K)
 RATIO = tl.constexpr($RATIO)
 PER_PAGE = tl.constexpr($PER_PAGE)
 ROW_BYTES = tl.constexpr($ROW_BYTES)
-WIDTH = tl.constexpr($WIDTH)
 BLOCK_N = tl.constexpr($BLOCK_N)
+WIDTH = tl.constexpr($WIDTH)
+HAS_ALLOWED = tl.constexpr($ALLOWED)
 
 $COMBINERS
 
@@ -157,11 +161,13 @@ $DECODE
 
 
 @triton.jit
-def mega_indexer_kernel(q_ptr, w_ptr, pool_ptr, pages_ptr, positions_ptr, scores_ptr, N, pages_stride,
+def mega_indexer_kernel(q_ptr, w_ptr, pool_ptr, pages_ptr, positions_ptr, allowed_ptr, scores_ptr, N, pages_stride,
                         INTERPRETED: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     visible = n < (tl.load(positions_ptr + r).to(tl.int32) + 1) // RATIO
+    if HAS_ALLOWED:
+        visible = visible & (tl.load(allowed_ptr + r * N + n, mask=n < N, other=0) != 0)
     n_ok = (n < N) & visible
     page = tl.load(pages_ptr + r * pages_stride + n // PER_PAGE, mask=n_ok, other=0).to(tl.int64)
     keys = _decode_keys(pool_ptr + (page * PER_PAGE + n % PER_PAGE) * ROW_BYTES, n_ok)
@@ -237,30 +243,32 @@ def generate_source(spec: IndexerSpec, block_n: int = 64) -> str:
     reason = unsupported_reason(spec)
     if reason:
         raise ValueError(f"mega_indexer cannot generate this spec: {reason}")
-    width = 1
-    if spec.key_format == "index_mxfp4":
-        decode = _MXFP4_DECODE
-    else:
+    width, decode = 1, _MXFP4_DECODE
+    if spec.key_format != "index_mxfp4":
         width = KEY_FORMATS[spec.key_format].itemsize
         from_bits = ("bits.to(tl.float32, bitcast=True)" if width == 4 else
                      "(bits << 16).to(tl.float32, bitcast=True)  # bf16 bits are fp32's upper half")
         decode = string.Template(_RAW_DECODE).substitute(DTYPE=spec.key_format, FROM_BITS=from_bits)
-    if spec.q_bf16_values and spec.key_format != "float32":
-        # both operands are bf16 values: their products are exact, the sums fp32's
+    if spec.q_dtype == "bfloat16" and spec.key_format != "float32":
+        # bf16 queries, keys of bf16 values: the products are exact, the sums fp32's
         dot = ("    if INTERPRETED:  # numpy cannot dot bf16: the same exact products in fp32\n"
                "        logits = tl.dot(q, tl.trans(keys), tl.full([H_PAD, BLOCK_N], 0.0, tl.float32),\n"
                "                        input_precision=\"ieee\")\n"
                "    else:\n"
                "        logits = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)),\n"
                "                        tl.full([H_PAD, BLOCK_N], 0.0, tl.float32))")
-    else:
-        dot = ("    logits = tl.dot(q, tl.trans(keys), tl.full([H_PAD, BLOCK_N], 0.0, tl.float32),\n"
-               "                    input_precision=\"ieee\")")
+    else:  # fp32 operands split in two tf32 parts: exact where one holds few bits (MXFP4 keys)
+        dot = ("    if INTERPRETED:\n"
+               "        logits = tl.dot(q, tl.trans(keys), tl.full([H_PAD, BLOCK_N], 0.0, tl.float32),\n"
+               "                        input_precision=\"ieee\")\n"
+               "    else:\n"
+               "        logits = tl.dot(q, tl.trans(keys), tl.full([H_PAD, BLOCK_N], 0.0, tl.float32),\n"
+               "                        input_precision=\"tf32x3\")")
     spec_line = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(spec).items())
     return _TEMPLATE.substitute(
         KEY=spec.key(), SPEC_LINE=spec_line, H=spec.heads, H_PAD=max(16, _next_pow2(spec.heads)), D=spec.head_dim, K=spec.topk, RATIO=spec.ratio,
-        PER_PAGE=spec.per_page, ROW_BYTES=spec.row_bytes, WIDTH=width, BLOCK_N=block_n,
-        COMBINERS=snippets.COMBINERS, DECODE=decode, DOT_LINES=dot)
+        PER_PAGE=spec.per_page, ROW_BYTES=spec.row_bytes, BLOCK_N=block_n, ALLOWED=spec.allowed,
+        WIDTH=width, COMBINERS=snippets.COMBINERS, DECODE=decode, DOT_LINES=dot)
 
 
 def kernel_name(spec: IndexerSpec, block_n: int) -> str:
@@ -293,7 +301,7 @@ def choose_config(spec: IndexerSpec, n_rows: int, *, device: torch.device | str 
     return LaunchConfig(block_n=128, block_select=_next_pow2(max(spec.topk, 256)))
 
 
-def validate(q, w, pool, pages, positions, spec: IndexerSpec) -> None:
+def validate(q, w, pool, pages, positions, allowed, spec: IndexerSpec) -> None:
     """Raise ValueError if the launcher must refuse these inputs (shapes, dtypes, devices only: a
     pass runs it on a match's fake tensors)."""
     reason = unsupported_reason(spec)
@@ -312,35 +320,44 @@ def validate(q, w, pool, pages, positions, spec: IndexerSpec) -> None:
         raise ValueError(f"mega_indexer: pages must be int32/int64 [{R}, max_pages], got {pages.dtype} {list(pages.shape)}")
     if tuple(positions.shape) != (R,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"mega_indexer: positions must be int [{R}], got {positions.dtype} {list(positions.shape)}")
-    require_one_device("mega_indexer", q, w, pool, pages, positions)
+    N = pages.shape[1] * spec.per_page
+    if (allowed is not None) != spec.allowed or allowed is not None and (
+            tuple(allowed.shape) != (R, N) or allowed.dtype != torch.bool):
+        raise ValueError(f"mega_indexer: allowed must be {'bool [' + str(R) + ', ' + str(N) + ']' if spec.allowed else 'None'}"
+                         f" for this spec, got {None if allowed is None else (allowed.dtype, list(allowed.shape))}")
+    require_one_device("mega_indexer", q, w, pool, pages, positions, *([allowed] if allowed is not None else []))
 
 
 def mega_indexer(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, positions: torch.Tensor,
-                 spec: IndexerSpec, config: LaunchConfig | None = None) -> torch.Tensor:
-    """topk [R, K] int64 (module doc): every entry the rows' pages can hold is scored."""
-    validate(q, w, pool, pages, positions, spec)
+                 allowed: torch.Tensor | None, spec: IndexerSpec,
+                 config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk [R, K] int64, the scores it chose from [R, N] fp32; module doc): every entry the rows'
+    pages can hold is scored."""
+    validate(q, w, pool, pages, positions, allowed, spec)
     R, device = q.shape[0], q.device
     N = pages.shape[1] * spec.per_page
-    out = empty((R, spec.topk), torch.int64, device)
+    out, scores = empty((R, spec.topk), torch.int64, device), empty((R, N), torch.float32, device)
     if R == 0:
-        return out
+        return out, scores
     cfg = config or choose_config(spec, R, device=device)
     q, w, pool = q.contiguous(), w.contiguous(), pool.contiguous()
     pages, positions = pages if pages.stride(1) == 1 else pages.contiguous(), positions.contiguous()
-    scores = empty((R, N), torch.float32, device)
+    allowed = scores if allowed is None else allowed.contiguous().view(torch.int8)  # a pointer the kernel never reads
     interpret = device.type != "cuda"
     options = dict(num_warps=cfg.num_warps, **COMPILE_OPTIONS)
     score, select = (load(spec, cfg.block_n, interpret, name) for name in KERNEL_NAMES)
     with contextlib.nullcontext() if interpret else torch.cuda.device(device):
-        score[(R, -(-N // cfg.block_n))](q, w, pool, pages, positions, scores, N, pages.stride(0),
+        score[(R, -(-N // cfg.block_n))](q, w, pool, pages, positions, allowed, scores, N, pages.stride(0),
                                          INTERPRETED=interpret, **options)
         select[(R,)](scores, out, N, BLOCK=cfg.block_select, **options)
-    return out
+    return out, scores
 
 
-def reference(q, w, pool, pages, positions, spec: IndexerSpec) -> torch.Tensor:
-    """The model's own step: the pages' rows decoded, `index_scores`, `select_topk`."""
+def reference(q, w, pool, pages, positions, allowed, spec: IndexerSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own step: the pages' rows decoded, `index_scores`, the candidate mask, `select_topk`."""
     keys = spec.codec().decode(pool[pages].flatten(1, 2), q.dtype)  # [R, N, d]
     visible = visible_entries(positions, keys.shape[1], spec.ratio)
     scores = index_scores(q[None], w[None], keys[None], visible[None])
-    return select_topk(scores, spec.topk)[0]
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+    return select_topk(scores, spec.topk)[0], scores[0]

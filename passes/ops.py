@@ -20,6 +20,7 @@ from torch._inductor.lowering import fallback_handler, register_lowering
 
 from megafuse.lowering import mega_attention as attention_kernels
 from megafuse.lowering import mega_gate as gate_kernels
+from megafuse.lowering import mega_indexer as indexer_kernels
 from megafuse.lowering import mega_mhc as mhc_kernels
 from megafuse.lowering import mega_moe as moe_kernels
 
@@ -389,3 +390,62 @@ def moe_fake(u, weights, ids, w13, w2, swiglu_limit, mxfp8, out_dtype, precision
 mega_moe.register_fake(moe_fake)
 _kernel_op(mega_moe_kernel, moe_fake)
 _bind(torch.ops.megafuse.mega_moe.default, torch.ops.megafuse.mega_moe_kernel.default)
+
+
+# ---- megafuse::mega_indexer -----------------------------------------------------------------------
+# q [R, H, d], w [R, H] fp32, pool uint8 [pages, P, B], pages [R, M], positions [R], allowed bool
+# [R, M P] or None -> (top-k ids [R, K] int64, the masked scores [R, M P] fp32) (lowering/mega_indexer.py).
+# The tensors bind heads, head_dim, P, the query dtype and `allowed`; the scalars the rest.
+
+INDEXER_SCALARS = ("ratio", "topk", "key_format")
+
+
+def indexer_spec(q, pool, allowed, *scalars) -> "indexer_kernels.IndexerSpec":
+    """The IndexerSpec of an op call (INDEXER_SCALARS order after the tensors)."""
+    return _indexer_spec(q.shape[1], q.shape[2], pool.shape[1], q.dtype, allowed is not None, scalars)
+
+
+@functools.cache  # one spec per site, asked for on every call of the op
+def _indexer_spec(heads, head_dim, per_page, q_dtype, allowed, scalars) -> "indexer_kernels.IndexerSpec":
+    return indexer_kernels.IndexerSpec(heads=heads, head_dim=head_dim, per_page=per_page, q_dtype=_dtype_name(q_dtype),
+                                       allowed=allowed, **dict(zip(INDEXER_SCALARS, scalars, strict=True)))
+
+
+def indexer_scalars(spec: "indexer_kernels.IndexerSpec") -> tuple:
+    """The op arguments after the six tensors that bind `spec` (the inverse of indexer_spec)."""
+    return tuple(getattr(spec, name) for name in INDEXER_SCALARS)
+
+
+def indexer_unsupported(q, w, pool, pages, positions, allowed, *scalars) -> str | None:
+    """Why the kernel launch would refuse these inputs (fake tensors will do), or None."""
+    try:
+        indexer_kernels.validate(q, w, pool, pages, positions, allowed, indexer_spec(q, pool, allowed, *scalars))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@torch.library.custom_op("megafuse::mega_indexer", mutates_args=())
+def mega_indexer(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, positions: torch.Tensor,
+                 allowed: torch.Tensor | None, ratio: int, topk: int, key_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index keys from the cache bytes + logits + ReLU + head weights + visibility (+ allowed) + top-k:
+    the model's own step (decode, index_scores, select_topk)."""
+    spec = indexer_spec(q, pool, allowed, ratio, topk, key_format)
+    return indexer_kernels.reference(q, w, pool, pages, positions, allowed, spec)
+
+
+def mega_indexer_kernel(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor,
+                        positions: torch.Tensor, allowed: torch.Tensor | None, ratio: int,
+                        topk: int, key_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = indexer_spec(q, pool, allowed, ratio, topk, key_format)
+    return indexer_kernels.mega_indexer(q, w, pool, pages, positions, allowed, spec)
+
+
+def indexer_fake(q, w, pool, pages, positions, allowed, ratio, topk, key_format):
+    return (q.new_empty((q.shape[0], topk), dtype=torch.int64),
+            q.new_empty((q.shape[0], pages.shape[1] * pool.shape[1]), dtype=torch.float32))
+
+
+mega_indexer.register_fake(indexer_fake)
+_kernel_op(mega_indexer_kernel, indexer_fake)
+_bind(torch.ops.megafuse.mega_indexer.default, torch.ops.megafuse.mega_indexer_kernel.default)

@@ -58,3 +58,4 @@ def _load_builtin_passes() -> None:
     from . import mega_gate  # noqa: F401
     from . import mega_attention  # noqa: F401
     from . import mega_moe  # noqa: F401
+    from . import mega_indexer  # noqa: F401

@@ -45,7 +45,7 @@ def test_the_readme_has_the_blocks_this_test_runs():
     blocks = python_blocks()
     assert len(blocks) == 2, "a Python block was added or removed: run it here too"
     assert printed_claims(blocks[0]) == ["torch.Size([8, 1024]) 24"]
-    assert printed_claims(blocks[1]) == ["{'mega_mhc': 25, 'mega_gate': 12, 'mega_attention': 12, 'mega_moe': 12}"]
+    assert printed_claims(blocks[1]) == ["{'mega_mhc': 25, 'mega_gate': 12, 'mega_attention': 12, 'mega_moe': 12, 'mega_indexer': 0}"]
 
 
 @pytest.mark.slow  # the second block compiles the whole tiny model

@@ -17,7 +17,7 @@ from tests.passes.gate_clients import GateChain
 @pytest.mark.parametrize("selection", ["", " , "])  # (an empty list, built by a program, is "none")
 def test_an_empty_pass_selection_is_an_error_naming_the_choices(selection):
     with pytest.raises(ValueError, match=r"no pass selected .*valid: 'all', 'none' \(plain Inductor\) or names among "
-                                         r"mega_mhc, mega_gate, mega_attention, mega_moe"):
+                                         r"mega_mhc, mega_gate, mega_attention, mega_moe, mega_indexer"):
         passes.compile(nn.Linear(4, 4), passes=selection)
 
 

@@ -51,7 +51,8 @@ def test_a_graph_served_from_inductors_cache_brings_its_report(tmp_path, monkeyp
         reports.append(fused.report)
     first, second = reports
     assert [g.cached for g in first.graphs] == [False] and [g.cached for g in second.graphs] == [True]
-    assert second.counts() == first.counts() == {"mega_mhc": 0, "mega_gate": 1, "mega_attention": 0, "mega_moe": 0}
+    assert second.counts() == first.counts() == {"mega_mhc": 0, "mega_gate": 1, "mega_attention": 0, "mega_moe": 0,
+                                                   "mega_indexer": 0}
     assert second.to_dict()["per_pass"] == first.to_dict()["per_pass"]
     # a graph served without a stored report (lost, or stored under another Dynamo graph that lowers
     # the same) is compiled again with the caches off: its report is the first compile's, not "nothing"
@@ -67,14 +68,15 @@ def test_a_graph_served_from_inductors_cache_brings_its_report(tmp_path, monkeyp
 
 
 def test_registry_lists_passes_with_descriptions():
-    assert passes.available() == ["mega_mhc", "mega_gate", "mega_attention", "mega_moe"]  # the order the manager runs them
+    assert passes.available() == ["mega_mhc", "mega_gate", "mega_attention", "mega_moe",
+                                   "mega_indexer"]  # the order the manager runs them
     assert "top-k" in passes.descriptions()["mega_gate"]
     assert "Sinkhorn" in passes.descriptions()["mega_mhc"]
 
 
 @pytest.mark.parametrize("selection, words", [
-    (["mega_gat"], "valid passes: mega_mhc, mega_gate, mega_attention, mega_moe"),
-    ("nope,mega_gate", "valid passes: mega_mhc, mega_gate, mega_attention, mega_moe"),
+    (["mega_gat"], "valid passes: mega_mhc, mega_gate, mega_attention, mega_moe, mega_indexer"),
+    ("nope,mega_gate", "valid passes: mega_mhc, mega_gate, mega_attention, mega_moe, mega_indexer"),
 ])
 def test_unknown_pass_names_list_the_valid_ones(selection, words):
     with pytest.raises(ValueError, match=words):
@@ -92,7 +94,8 @@ def test_no_global_state_left_behind():
     torch._dynamo.reset()
     fused = passes.compile(GateChain(), passes="all", fullgraph=True)
     fused(torch.randn(5, 64))
-    assert fused.report.counts() == {"mega_mhc": 0, "mega_gate": 1, "mega_attention": 0, "mega_moe": 0}
+    assert fused.report.counts() == {"mega_mhc": 0, "mega_gate": 1, "mega_attention": 0, "mega_moe": 0,
+                                                   "mega_indexer": 0}
     assert inductor_config.post_grad_custom_post_pass is None
     # a plain torch.compile afterwards sees no megafuse pass
     torch._dynamo.reset()

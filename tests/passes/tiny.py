@@ -17,12 +17,16 @@ def every_role_tiny(**changes):
 def step_counts(cfg) -> tuple[dict, dict]:
     """What each pass matches in one bucket of the compiled step's two regions (`runtime.graphs`):
     (encoder, decoder). Every layer has two mHC seams, one gate, one attention and one MoE's routed
-    experts; the decoder region's head adds its collapse, and the encoder hands its last pre-mix to
-    the decoder un-collapsed."""
+    experts, and each layer with its own indexer (roles full and reindex) an indexer step; the
+    decoder region's head adds its collapse, and the encoder hands its last pre-mix to the decoder
+    un-collapsed."""
     encoder = cfg.decoder_kv_layer + 1  # `Transformer.decoder_start`
     decoder = cfg.n_layers - encoder
-    return ({"mega_mhc": 2 * encoder, "mega_gate": encoder, "mega_attention": encoder, "mega_moe": encoder},
-            {"mega_mhc": 2 * decoder + 1, "mega_gate": decoder, "mega_attention": decoder, "mega_moe": decoder})
+    indexers = [cfg.role(i) in ("full", "reindex") for i in range(cfg.n_layers)]
+    return ({"mega_mhc": 2 * encoder, "mega_gate": encoder, "mega_attention": encoder, "mega_moe": encoder,
+             "mega_indexer": sum(indexers[:encoder])},
+            {"mega_mhc": 2 * decoder + 1, "mega_gate": decoder, "mega_attention": decoder, "mega_moe": decoder,
+             "mega_indexer": sum(indexers[encoder:])})
 
 
 def compile_tiny(enabled: list[str], tokens: int, dump_dir=None, **compile_kwargs):

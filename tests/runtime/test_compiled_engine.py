@@ -45,8 +45,9 @@ def _check_against_eager(model, **flags):
     return engine
 
 
-# Every layer has two mHC seams, one gate and one attention; the head adds its collapse.
-SHALLOW_COUNTS = {"mega_mhc": 2 * 4 + 1, "mega_gate": 4, "mega_attention": 4, "mega_moe": 4}
+# Every layer has two mHC seams, one gate and one attention; the head adds its collapse; layers 1-3
+# (two full, one reindex) have an indexer.
+SHALLOW_COUNTS = {"mega_mhc": 2 * 4 + 1, "mega_gate": 4, "mega_attention": 4, "mega_moe": 4, "mega_indexer": 3}
 
 
 @pytest.mark.slow  # ~1 min of compiles on 2 CPU cores (one graph per kind of layer)
@@ -60,7 +61,7 @@ def test_compiled_step_per_bucket_equals_the_eager_engine(shallow):
     assert runner.stats.buckets == len(buckets) and runner.stats.captures == 0
     report = runner.report()
     rejected = {name: [r.reason for r in report.rejections(name)] for name in report.pass_names}
-    assert rejected == {"mega_mhc": [], "mega_gate": [], "mega_attention": [], "mega_moe": []}
+    assert rejected == {"mega_mhc": [], "mega_gate": [], "mega_attention": [], "mega_moe": [], "mega_indexer": []}
     # symbolic row counts: one graph per kind of layer serves every bucket; the shallow model's four
     # layers are four kinds (SWA-only first layer, Engram + compressor, the decoder KV source, reindex)
     assert sorted(graph.blocks for graph in report.graphs) == [["Transformer"], ["layers.0"], ["layers.1"],
@@ -78,7 +79,8 @@ def test_whole_region_compile_fuses_what_the_block_compile_fuses(shallow):
     report = runner.report()
     # one graph per region: the encoder's 3 layers (2 seams, a gate, an attention and the routed
     # experts each) and the decoder's layer with the head's collapse
-    assert sorted(tuple(len(p.matches) for p in graph.passes) for graph in report.graphs) == [(3, 1, 1, 1), (6, 3, 3, 3)]
+    assert sorted(tuple(len(p.matches) for p in graph.passes) for graph in report.graphs) == [(3, 1, 1, 1, 1),
+                                                                                             (6, 3, 3, 3, 2)]
     assert runner.stats.graphs == 2 and report.counts() == SHALLOW_COUNTS
 
 

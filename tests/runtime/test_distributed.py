@@ -96,7 +96,8 @@ def test_two_gloo_ranks_run_the_compiled_step_with_the_passes():
     for r in ranks:
         # Mega-MoE does not fuse an expert-parallel layer: its slots cross ranks between the GEMMs and the sum
         assert r["counts"] == {"mega_mhc": 2 * cfg.n_layers + 1, "mega_gate": cfg.n_layers,
-                               "mega_attention": cfg.n_layers, "mega_moe": 0}
+                               "mega_attention": cfg.n_layers, "mega_moe": 0,
+                               "mega_indexer": 3}
         for i, logits in r["logits"].items():
             assert r["outputs"][i] == one.requests[i].output
             torch.testing.assert_close(logits, torch.stack(one.requests[i].logits), rtol=1e-4, atol=1e-4)

@@ -24,7 +24,8 @@ def test_a_second_process_compiles_nothing_and_reports_it(tmp_path):
     assert cold["ok"] and warm["ok"]
     assert (cold["graphs"], cold["graphs_from_cache"]) == (3, 0)
     assert (warm["graphs"], warm["graphs_from_cache"]) == (3, 3)
-    assert cold["counts"] == warm["counts"] == {"mega_mhc": 2 * 2 + 1, "mega_gate": 2, "mega_attention": 2, "mega_moe": 2}
+    assert cold["counts"] == warm["counts"] == {"mega_mhc": 2 * 2 + 1, "mega_gate": 2, "mega_attention": 2, "mega_moe": 2,
+                                                     "mega_indexer": 1}
     assert cold["repeat_max_abs"] == 0.0  # a cleared cache makes the second call a true repeat
     assert r["summary"]["warm_graphs_from_cache"] == "3 of 3"
     assert r["summary"]["cold_compile_s"] == cold["compile_s"] and r["summary"]["warm_compile_s"] == warm["compile_s"]

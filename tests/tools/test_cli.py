@@ -76,11 +76,11 @@ def test_usage_errors_found_after_parsing_exit_2(capsys):
 
 
 @pytest.mark.parametrize("argv, enabled", [
-    ([], ["mega_mhc", "mega_gate", "mega_attention", "mega_moe"]),
+    ([], ["mega_mhc", "mega_gate", "mega_attention", "mega_moe", "mega_indexer"]),
     (["--passes", "none"], []),
     (["--passes", "mega_gate"], ["mega_gate"]),
-    (["--no-mega-gate"], ["mega_mhc", "mega_attention", "mega_moe"]),
-    (["--no-mega_mhc", "--no-mega-gate", "--no-mega-moe"], ["mega_attention"]),
+    (["--no-mega-gate"], ["mega_mhc", "mega_attention", "mega_moe", "mega_indexer"]),
+    (["--no-mega_mhc", "--no-mega-gate", "--no-mega-moe", "--no-mega-indexer"], ["mega_attention"]),
     (["--passes", "mega_gate,mega_mhc", "--no-mega-mhc"], ["mega_gate"]),
 ])
 def test_pass_selection(argv, enabled):
@@ -99,7 +99,7 @@ def test_pass_flags_follow_the_registry(monkeypatch):
     monkeypatch.setitem(registry._PASSES, "new_pass", NewPass)
     for tool in COMPILE_TOOLS:
         args = build_parser().parse_args([tool, "--config", "tiny", "--no-new-pass"])
-        assert common.selected_passes(args) == ["mega_mhc", "mega_gate", "mega_attention", "mega_moe"]
+        assert common.selected_passes(args) == ["mega_mhc", "mega_gate", "mega_attention", "mega_moe", "mega_indexer"]
         args = build_parser().parse_args([tool, "--config", "tiny", "--passes", "new_pass"])
         assert common.selected_passes(args) == ["new_pass"]
 

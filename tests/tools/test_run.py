@@ -43,8 +43,8 @@ def test_run_compares_prompt_and_every_decode_step_with_eager(tmp_path, tiny, ti
     # the counts are per step: the layers' seams, gates and attentions and the head's collapse
     # (`step_counts`, which the README's sample of tiny's 12 layers follows too)
     encoder, decoder = step_counts(tiny.cfg)
-    assert (encoder, decoder) == ({"mega_mhc": 6, "mega_gate": 3, "mega_attention": 3, "mega_moe": 3},
-                                  {"mega_mhc": 5, "mega_gate": 2, "mega_attention": 2, "mega_moe": 2})
+    assert (encoder, decoder) == ({"mega_mhc": 6, "mega_gate": 3, "mega_attention": 3, "mega_moe": 3, "mega_indexer": 2},
+                                  {"mega_mhc": 5, "mega_gate": 2, "mega_attention": 2, "mega_moe": 2, "mega_indexer": 1})
     assert r["counts"] == r["report"]["counts"] == {name: encoder[name] + decoder[name] for name in r["counts"]}
     for name, count in r["counts"].items():  # one match per graph, each graph run by one layer here
         assert len(r["report"]["per_pass"][name]["matches"]) == count
