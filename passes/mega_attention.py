@@ -3,10 +3,11 @@
 Pattern (post-grad ATen graph, anchored at the P V `aten.bmm`), each query row with its own key rows:
 
     q   = cat(x[..., :-rd], RoPE(x[..., -rd:]))    optional: q's RoPE by the output's own angles, rounded to x's dtype
-    s   = (q . k_j) * scale          bmm of q [.., R, H, Dh] and the keys [.., R, J, Dh], a scalar multiply
-    s   = where(~valid, -inf, s)      valid [.., R, J] bool, broadcast over the heads
-    m   = maximum(amax(s, -1), sink)  sink: one value per head
-    p   = exp(s - m) / (sum(exp(s - m), -1) + exp(sink - m))
+    s   = (q . k_j) * scale          bmm of q [.., R, H, Dh] and the keys [.., R, J, Dh], times (or over) a constant
+    s   = where(~valid, -inf, s)      valid [.., R, J] bool, broadcast over the heads (or where(valid, s, -inf),
+                                      s + where(valid, 0, -inf); the fill may be any value below -1e30)
+    m   = maximum(amax(s, -1), sink)  sink: one value per head; or m = amax(s, -1): m cancels below
+    p   = exp(s - m) / (sum(exp(s - m), -1) + exp(sink - m))     or softmax(cat([s, sink], -1))[..., :-1]
     o   = p @ keys                    the values are the keys (K = V)
     o   = cat(o[..., :-rd], RoPE^-1(o[..., -rd:]))   pairs (2i, 2i + 1) rotated by -angle_i, in fp32
     out = o.to(dtype)                 optional
@@ -28,19 +29,21 @@ to the chain, the op takes x and `q_rope=True` (its kernel rotates q in its prol
 RoPE stays outside and the spec's `left_unfused` says why. The row gathers and the byte decodes
 before the chain stay unfused.
 
-The dense form (HF transformers' DeepseekV4: [batch, heads, queries, keys], one key head for all
-the queries, an additive mask, the sink as the softmax's last column, a rotate-half inverse RoPE)
-is the same chain and becomes the same op; its section below says how it is read.
+The softmax, the mask and the scale read the same in both layouts (`_front`); where the sink runs
+along the scores' dim -3 of four, the layout is the dense one (HF transformers' DeepseekV4, or an
+attention written that way: [batch, heads, queries, keys], one key head for all the queries, a
+rotate-half inverse RoPE), the same chain, the same op; its section below says how it is read.
 
-Not this pattern (near misses, rejected with the reason): a softmax without the sink (its max or its
-denominator), a softmax over another dim than the keys, values other than the keys, RoPE rotating
-other dims than the tail, an MXFP8 rounding with another scale rule, intermediates used outside the
-chain.
+Not this pattern (near misses, rejected with the reason): a softmax without the sink in its
+denominator (a plain softmax, or the sink in the max only), a softmax over another dim than the
+keys, a sink that is not one value per head, masked values other than -inf, values other than the
+keys, RoPE rotating other dims than the tail, no inverse RoPE, an MXFP8 rounding with another scale
+rule, intermediates used outside the chain.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -49,7 +52,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from . import ops
 from .base import Candidate, FusionPass, NoMatch
 from .graph import FLOATS, aten, call, dims, dtype, is_convert, is_last_dim, is_op, keeps_leading, moves, per_row, scalar, \
-    sole_user, source_groups, under_slices, unpadded, val, walk
+    sole_user, source_groups, strip, under_slices, unpadded, val, walk
 from .registry import register
 
 
@@ -250,7 +253,8 @@ def _viewed_fake(t, views: list):
 
 
 def _viewed(graph: fx.Graph, node: fx.Node, views: list) -> fx.Node:
-    """`node` through `views` ([(view op, its other args)]), each a new node after the last."""
+    """`node` through `views` ([(op, its other args)]: views, and the mask's negation), each a new
+    node after the last."""
     for op, args in views:
         node = call(graph, op, (node, *args), op(val(node), *args))
     return node
@@ -357,26 +361,45 @@ def _rope(o: fx.Node, head_dim: int, inverse: bool = True) -> tuple[fx.Node, fx.
     return joined, angles, rd, nodes
 
 
-# ---- the dense form: [batch, heads, queries, keys], the sink as the softmax's last column ---------
-# HF transformers' DeepseekV4 attention (`eager_attention_forward`, `apply_rotary_pos_emb`):
+# ---- what both layouts share: the softmax with the sink, the mask, the scale ---------------------
+# The softmax with the sink over the keys (the last dim), in either spelling:
 #
-#     s   = (q @ k^T) * scale                  q [B, H, T, D]; k [B, 1, S, D] (or [B, S, D]) broadcast over the heads
-#     s   = s + where(valid, 0, fill)          valid bool [B or 1, 1, T, S]; fill -inf or below -1e30
-#     x   = cat([s, sink broadcast], -1)       (x - max(x) first, optional: the softmax cancels it)
-#     p   = softmax(x)[..., :-1]               amax, sub, exp, sum, div; the sink's column dropped
-#     o   = p @ k                              V = K
-#     o   = cat(o[..., :-rd], r * cos2 + rotate_half(r) * -sin2)    r = o[..., -rd:]; cos2 and sin2 each
-#           angle's cos and sin twice (repeat_interleave), rotate_half(r) = (-r_odd, r_even) interleaved
+#     p = e^(s - m) / (sum_j e^(s_j - m) + e^(sink - m))    m = max(max_j s_j, sink), or m = max_j s_j
+#     p = softmax(cat([s, sink], -1))[..., :-1]              the sink as the softmax's last column
 #
-# The op reads it in its per-row layout through views only (no sizes, so symbolic shapes stay
-# symbolic): q.transpose(1, 2), the keys as [B, 1, S, D] (broadcast over the queries), valid[:, 0],
-# the angles [B or 1, T, rd / 2]; its output, transposed back, replaces the join.
+# m cancels between the numerator and the denominator, so both forms of the max are one function.
+# The kernel keeps the first (its running max starts at the sink): a row without a valid key then
+# gets that function's value, 0, where the plain max computes e^(-inf - -inf) = NaN.
+#
+# The scores are masked as where(~valid, fill, s) (masked_fill), where(valid, s, fill) or
+# s + where(valid, 0, fill), fill -inf or below -1e30, and scaled by a constant (s * c or s / c).
 
-_FILL_BELOW = -1e30  # an additive mask value that removes a key: e^(s + fill - m) is 0 in fp32
+_FILL_BELOW = -1e30  # a mask value that removes a key: e^(fill - m) is 0 in fp32, as in the kernel
+
+
+@dataclass
+class _Front:
+    """What both layouts share, read from P V's GEMM down to the GEMM of the scores."""
+    pv: fx.Node  # P V's output, past the slices that cut shape padding off it
+    p: fx.Node  # P V's operands
+    v: fx.Node
+    qk: tuple  # (q's operand, the keys' operand, the nodes) of the scores' GEMM
+    s_path: list[fx.Node]  # the scaled scores' input down to that GEMM
+    scores: fx.Node  # the masked scores the softmax reads
+    valid: fx.Node  # the bool mask
+    negated: bool  # True in `valid` drops a key: the op takes ~valid
+    sink: fx.Node  # one value per head [H]
+    heads_at: int  # the scores' dim the sink runs along, counted from the end
+    scale: float
+    nodes: list[fx.Node]
 
 
 def _fill_value(x) -> float | None:
     return scalar(x) if scalar(x) is not None else x.args[1] if is_op(x, aten.full) else None
+
+
+def _removes(x) -> bool:
+    return _fill_value(x) is not None and _fill_value(x) <= _FILL_BELOW
 
 
 def _under_broadcasts(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -388,13 +411,60 @@ def _under_broadcasts(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     return above, walk(above[-1].args[0])
 
 
-def _expect(path: list[fx.Node], groups: list[tuple[int, ...]], what: str, inverse: bool = False) -> None:
-    """The top of `path` holds its source's dims as `groups` (source_groups' form; the source's
-    unit dims left out of both)."""
-    sizes = dims(path[0] if inverse else path[-1])
-    want = [g for g in (tuple(d for d in group if sizes[d] != 1) for group in groups) if g]
-    if source_groups(path, inverse=inverse) != want:
-        raise NoMatch(f"{what} does not reach the attention in the [batch, heads, queries, keys] layout")
+def _front(gemm: fx.Node) -> _Front:
+    """The shared pieces of the attention whose P V `gemm` computes; NoMatch(why) where it is none."""
+    pv = gemm
+    while sole_user(pv) is not None and keeps_leading(sole_user(pv)):
+        pv = sole_user(pv)
+    p, v, pv_nodes = _gemm(pv)
+    p_path = walk(p)
+    scores, sink_b, softmax_nodes = _sink_softmax(p_path[-1])
+    scores, widened = strip(scores, layout=False)  # masked in 16 bits, the softmax in fp32
+    sink, heads_at = _sink_source(sink_b)
+    scaled, valid, negated = _mask(scores)
+    c = scalar(scaled.args[1]) if is_op(scaled, aten.mul, aten.div) else None
+    if not c:
+        raise NoMatch("the scores are not scaled by a constant")
+    s_path = walk(scaled.args[0])
+    qk = _gemm(s_path[-1])
+    if qk is None:
+        raise NoMatch("the scores are not a GEMM of q and the keys")
+    nodes = [*pv_nodes, *p_path[:-1], *softmax_nodes, *widened, scores, scaled, *s_path, *qk[2]]
+    return _Front(pv, p, v, qk, s_path, scores, valid, negated, sink, heads_at,
+                  c if is_op(scaled, aten.mul) else 1 / c, nodes)
+
+
+def _sink_softmax(p_top: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
+    """(the masked scores s, the sink as it meets them, the nodes) of P, the softmax with the sink
+    in either spelling and with either max (the section's comment)."""
+    if is_op(p_top, aten.slice):
+        return _sink_column_softmax(p_top)
+    exp_s, denom = p_top.args[:2] if is_op(p_top, aten.div) else (None, None)
+    if not (is_op(exp_s, aten.exp) and is_op(exp_s.args[0], aten.sub)):
+        raise NoMatch("not P V of a softmax", candidate=False)
+    s, m = exp_s.args[0].args[:2]
+    if not is_op(denom, aten.add):
+        raise NoMatch("the softmax's denominator has no sink term (sum + e^(sink - max))")
+    # the sum of e^(s - m), or Inductor's online softmax (GPUs): max and sum of s in one pass
+    sums = {x: per_row(x, exp_s, ("sum",)) or per_row(x, s, ("online sum",)) for x in denom.args[:2]}
+    total = next((x for x, found in sums.items() if found), None)
+    if total is None:
+        raise NoMatch("the softmax's sum is not over the keys (the last dim)")
+    sink_exp = _other(denom, total)
+    shifted = sink_exp.args[0] if is_op(sink_exp, aten.exp) else None
+    if not (is_op(shifted, aten.sub) and shifted.args[1] is m):
+        raise NoMatch("the softmax's denominator adds something else than e^(sink - max)")
+    sink = shifted.args[0]
+    online = per_row(total, exp_s, ("sum",)) is None
+    found = per_row(m, s, ("online max",) if online else ("amax", "max"))  # m = max_j s_j
+    if found is None and not online and is_op(m, aten.maximum, aten.clamp_min):  # m = max(max_j s_j, sink)
+        in_max = next((x for x in m.args[:2] if walk(x)[-1] is walk(sink)[-1]), None)
+        found = per_row(_other(m, in_max), s, ("amax", "max")) if in_max is not None else None
+        found = found and [m, *found]
+    if found is None:
+        raise NoMatch("the softmax's max is not over the keys (the last dim): neither max_j s_j nor "
+                      "max(max_j s_j, sink)")
+    return s, sink, [p_top, exp_s, exp_s.args[0], denom, *sums[total], sink_exp, shifted, *found]
 
 
 def _sink_column_softmax(p_top: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
@@ -418,24 +488,117 @@ def _sink_column_softmax(p_top: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node
     if pre is not None:  # HF subtracts the row max once more before the softmax
         nodes += [x, *pre]
         x = x.args[0]
+    x, widened = strip(x, layout=False)  # softmax(.., dtype=torch.float32) of 16-bit scores
     if not (is_op(x, aten.cat) and len(x.args[0]) == 2 and is_last_dim(x.args[1] if len(x.args) > 1 else 0, x)):
         raise NoMatch("the softmax's input is not the scores with one sink column appended")
     scores, sink = x.args[0]
     if dims(sink)[-1] != 1:
         raise NoMatch(f"the column appended to the scores is {dims(sink)[-1]} wide, not one sink value")
-    return scores, sink, nodes + [x]
+    return scores, sink, nodes + widened + [x]
 
 
-def _additive_mask(masked: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """(the scaled scores, the bool mask) of masked = scaled + where(valid, 0, fill)."""
-    if is_op(masked, aten.add):
-        for scaled, bias in (masked.args[:2], masked.args[1::-1]):
-            if is_op(bias, aten.where) and dtype(bias.args[0]) == torch.bool:
-                keep, drop = (_fill_value(x) for x in bias.args[1:3])
-                if keep != 0 or drop is None or drop > _FILL_BELOW:
-                    raise NoMatch(f"the additive mask is where(valid, {keep}, {drop}), not where(valid, 0, -inf)")
-                return scaled, bias.args[0]
-    raise NoMatch("the scores are not masked: neither where(~valid, -inf, s) nor s + where(valid, 0, -inf)")
+def _sink_source(sink_b: fx.Node) -> tuple[fx.Node, int]:
+    """(the sink [H], the scores' dim its heads run along, counted from the end; -2 for one head)
+    of `sink_b`, one value per head shaped to broadcast against the scores ([1, .., H, 1], [H, 1],
+    ..), maybe expanded over the rows (a sink column). Its views stay outside the chain (dead once
+    fused)."""
+    above, below = _under_broadcasts(sink_b)
+    path = below or above
+    sink, sizes = path[-1], dims(path[0])
+    heads = dims(sink)
+    if len(heads) != 1 or sizes[-1:] != [1] or source_groups(path) != ([(0,)] if heads[0] != 1 else []):
+        raise NoMatch(f"the sink {heads} is not one value per head broadcast against the scores")
+    return sink, sizes.index(heads[0]) - len(sizes) if heads[0] != 1 else -2
+
+
+def _mask(scores: fx.Node) -> tuple[fx.Node, fx.Node, bool]:
+    """(the scaled scores, the bool mask, whether True in it drops a key) of the masked scores (the
+    section's comment). The mask's own nodes stay outside the chain: layers may share them."""
+    pairs = [scores.args[:2], scores.args[1::-1]] if is_op(scores, aten.add) else [(None, scores)]
+    for scaled, where in pairs:
+        if not (is_op(where, aten.where) and dtype(where.args[0]) == torch.bool):
+            continue
+        cond, a, b = where.args[:3]
+        fill, kept, drops = (a, b, True) if _removes(a) else (b, a, False)
+        if scaled is not None and not (_removes(fill) and _fill_value(kept) == 0):
+            raise NoMatch(f"the additive mask is where(mask, {_fill_value(a)}, {_fill_value(b)}), "
+                          "not where(valid, 0, -inf)")
+        if not _removes(fill):
+            value = _fill_value(a) if _fill_value(a) is not None else _fill_value(b)
+            raise NoMatch(f"the masked scores are set to {value} where a key is dropped: not -inf (or below -1e30)")
+        valid = cond.args[0] if drops and is_op(cond, aten.bitwise_not, aten.logical_not) else cond
+        return (kept if scaled is None else scaled), valid, drops and valid is cond
+    raise NoMatch("the scores are not masked: neither where(~valid, -inf, s), where(valid, s, -inf) "
+                  "nor s + where(valid, 0, -inf)")
+
+
+# ---- the dense layout: [batch, heads, queries, keys], one key head for every query ---------------
+# HF transformers' DeepseekV4 attention (`eager_attention_forward`, `apply_rotary_pos_emb`), or one
+# written the same way:
+#
+#     s   = (q @ k^T) * scale       q [B, H, T, D]; k [B, S, D] or [B, 1, S, D]: broadcast over the
+#                                   heads (HF's repeat_kv, matmul's broadcast), or the heads and the
+#                                   queries one GEMM dim (an einsum); V = K
+#     o   = p @ k                   p the softmax with the sink of the masked s (above)
+#     o   = cat(o[..., :-rd], r * cos2 + rotate_half(r) * -sin2)    r = o[..., -rd:]; cos2 and sin2 each
+#           angle's cos and sin twice (repeat_interleave), rotate_half(r) = (-r_odd, r_even) interleaved
+#
+# Both GEMMs are checked by naming every operand's dims by the letters of its source's (`_names`):
+# q "bhtd", the keys "bjd", the scores and P "bhtj", the output "bhtd". The op reads the tensors in
+# its per-row layout through views only (no sizes, so symbolic shapes stay symbolic):
+# q.transpose(1, 2), the keys as [B, 1, S, D] (broadcast over the queries), the mask as
+# [B or 1, T, S], the angles [B or 1, T, rd / 2]; its output, transposed back, replaces the join.
+
+_KEYS = {3: "bjd", 4: "bxjd"}  # the keys [B, S, D] or [B, 1, S, D]: x, the one key head
+_LAYOUT = {"bhtd": "[batch, heads, queries, head_dim]", "bjd": "[batch, keys, head_dim]",
+           "bxjd": "[batch, 1, keys, head_dim]"}
+
+
+def _spell(path: list[fx.Node], letters, what: str, inverse: bool = False) -> list[str]:
+    """The names of the dims of `path`'s top ([top, ..., source]), each the letters of the source
+    dims it holds in row-major order ('' for a dim of 1), from the source's `letters`; `inverse`:
+    the source's dims, named from the top's letters."""
+    groups = source_groups(path, inverse=inverse)
+    if groups is None:
+        raise NoMatch(f"{what} is reshaped across its dims on the way to the attention")
+    held = iter(groups)
+    return ["".join(letters[d] for d in next(held)) if size != 1 else "" for size in dims(path[-1 if inverse else 0])]
+
+
+def _names(top: fx.Node, letters: dict, what: str) -> tuple[fx.Node, list[str], list[fx.Node]]:
+    """(the source under `top`, the names of top's dims as `_spell` gives them, the nodes between),
+    '*' for a dim that a broadcasting expand made (the same values all along it); the source's
+    letters by its rank (`letters`)."""
+    above, below = _under_broadcasts(top)
+    source = (below or above)[-1]
+    if len(dims(source)) not in letters:
+        raise NoMatch(f"{what} {dims(source)} are not {' or '.join(map(_LAYOUT.get, letters.values()))}")
+    names = letters[len(dims(source))]
+    if below:  # the expand's output named: its input's names, '*' where it broadcasts
+        inner, out = _spell(below, names, what), dims(above[-1])
+        lead = len(out) - len(inner)
+        names = [inner[d - lead] if d >= lead and inner[d - lead] else "*" if size != 1 else ""
+                 for d, size in enumerate(out)]
+    return source, _spell(above, names, what), (above + below)[:-1]
+
+
+def _contracts(a: list[str], b: list[str], out: list[str], k: str, what: str) -> None:
+    """In the dims' names: a [batch, M, k] @ b [batch, k, N] = out [batch, M, N] (an mm: no batch),
+    b's batch broadcast ('*') where a's holds anything."""
+    a, b, out = ([""] * (3 - len(x)) + x for x in (a, b, out))
+    batch = len(a[0]) == len(b[0]) and all(y in ("*", x) for x, y in zip(a[0], b[0]))
+    if not (batch and a[2] == b[1] == k and out == [a[0], a[1], b[2]]):
+        raise NoMatch(f"{what} do not meet in their GEMM as [batch, heads, queries, keys] needs "
+                      f"({a} @ {b} = {out})")
+
+
+def _expect(path: list[fx.Node], groups: list[tuple[int, ...]], what: str) -> None:
+    """The top of `path` holds its source's dims as `groups` (source_groups' form; the source's
+    unit dims left out of both)."""
+    sizes = dims(path[-1])
+    want = [g for g in (tuple(d for d in group if sizes[d] != 1) for group in groups) if g]
+    if source_groups(path) != want:
+        raise NoMatch(f"{what} does not reach the attention in the [batch, heads, queries, keys] layout")
 
 
 def _repeated_half(node: fx.Node, rd: int, what: str) -> tuple[fx.Node, list[fx.Node]]:
@@ -509,68 +672,45 @@ def _rotate_half_inverse(o: fx.Node, head_dim: int) -> tuple[fx.Node, fx.Node, i
     return joined, angles, rd, nodes + ([x] if x is not r else [])
 
 
-def _dense_candidate(gemm: fx.Node, pv: fx.Node, p: fx.Node, v: fx.Node, pv_nodes: list[fx.Node]) -> dict:
-    """The dense form's pieces (module comment above), for MegaAttentionPass.match."""
-    p_path = walk(p)
-    scores, sink_col, softmax_nodes = _sink_column_softmax(p_path[-1])
-    if is_op(scores, aten.where):
-        raise NoMatch("the dense form's scores are masked with where(): only an additive where(valid, 0, -inf) mask")
-    scaled, valid_b = _additive_mask(scores)
-    if not is_op(scaled, aten.mul) or scalar(scaled.args[1]) is None:
-        raise NoMatch("the scores are not scaled by a constant")
-    if len(dims(scores)) != 4:
-        raise NoMatch(f"the scores {dims(scores)} are not [batch, heads, queries, keys]")
-    B, H, T, S = dims(scores)
-    s_path = walk(scaled.args[0])
-    qk = _gemm(s_path[-1])
-    if qk is None:
-        raise NoMatch("the scores are not a GEMM of q and the keys")
-    _expect(s_path, [(0, 1), (2,), (3,)], "the scores", inverse=True)
-    _expect(p_path, [(0, 1), (2,), (3,)], "the softmax")
-    sink_above, sink_below = _under_broadcasts(sink_col)
-    sink_path = sink_below or sink_above  # the sink [H] shaped [1, H, 1, 1], then broadcast
-    if dims(sink_path[-1]) != [H] or dims(sink_path[0]) != [1, H, 1, 1] or source_groups(sink_path) != [(0,)]:
-        raise NoMatch(f"the sink column is not one value per head ({H} heads)")
-
-    q_path = walk(qk[0])
-    q = q_path[-1]
-    if dims(q)[:3] != [B, H, T] or len(dims(q)) != 4:
-        raise NoMatch(f"q {dims(q)} is not [batch, heads, queries, head_dim] = [{B}, {H}, {T}, ..]")
-    _expect(q_path, [(0, 1), (2,), (3,)], "q")
+def _dense_candidate(f: _Front) -> dict:
+    """The dense layout's pieces (the section's comment), for MegaAttentionPass.match."""
+    B, H, T, S = dims(f.scores)
+    q, q_names, q_nodes = _names(f.qk[0], {4: "bhtd"}, "q")
     head_dim = dims(q)[-1]
-    sources = []
-    for operand, order, what in ((qk[1], (4, 3), "the keys (scores)"), (v, (3, 4), "the keys (values)")):
-        above, below = _under_broadcasts(operand)
-        spread = above[-1]
-        if not below or dims(spread) != [B, 1, H, S, head_dim] or dims(spread.args[0])[2] != 1:
-            raise NoMatch(f"{what} are not one key head broadcast over the {H} query heads (MQA)")
-        _expect(above, [(0, 2), (order[0],), (order[1],)], what)
-        _expect(below, [(0,), (1,), (2,)] if len(dims(below[-1])) == 3 else [(0,), (2,), (3,)], what)
-        sources.append((below[-1], above[:-1] + [spread] + below[:-1]))
-    (keys, k_nodes), (values, v_nodes) = sources
-    if keys is not values:
+    if dims(q) != [B, H, T, head_dim]:
+        raise NoMatch(f"q {dims(q)} is not [batch, heads, queries, head_dim] = [{B}, {H}, {T}, ..]")
+    keys, k_names, k_nodes = _names(f.qk[1], _KEYS, "the keys (scores)")
+    if dims(keys)[0] not in (1, B) or dims(keys)[1:-2] not in ([], [1]) or dims(keys)[-2:] != [S, head_dim]:
+        raise NoMatch(f"the keys {dims(keys)} are not one key head [batch, (1,) keys, head_dim] for the {H} "
+                      "query heads (MQA)")
+    _contracts(q_names, k_names, _spell(f.s_path, "bhtj", "the scores", inverse=True), "d", "q and the keys")
+    values, v_names, v_nodes = _names(f.v, _KEYS, "the keys (values)")
+    if values is not keys:
         raise NoMatch("the values are not the keys (K = V)")
-    if dims(keys) not in ([B, 1, S, head_dim], [B, S, head_dim]):
-        raise NoMatch(f"the keys {dims(keys)} are not [batch, 1, keys, head_dim]")
-    if dims(valid_b)[1:] != [1, T, S] or dims(valid_b)[0] not in (1, B):
-        raise NoMatch(f"the mask {dims(valid_b)} is not [batch, 1, queries, keys]")
-
-    o_path = _forward_moves(pv)
+    o_path = _forward_moves(f.pv)
     o = o_path[-1]
     if dims(o) != [B, H, T, head_dim]:
         raise NoMatch(f"the output {dims(o)} is not [batch, heads, queries, head_dim] where the inverse RoPE reads it")
-    _expect(o_path[::-1], [(0, 1), (2,), (3,)], "the output", inverse=True)
+    _contracts(_spell(walk(f.p), "bhtj", "the softmax"), v_names,
+               _spell(o_path[::-1], "bhtd", "the output", inverse=True), "j", "the softmax and the keys")
+    mask = dims(f.valid)
+    if not 2 <= len(mask) <= 4 or ([1] * (4 - len(mask)) + mask)[:2] not in ([1, 1], [B, 1]) or mask[-2:] != [T, S]:
+        raise NoMatch(f"the mask {mask} is not [batch or 1, 1, queries, keys]")
     joined, angles, rope_dim, rope_nodes = _rotate_half_inverse(o, head_dim)
     if dims(angles)[-2:] != [T, rope_dim // 2] or dims(angles)[0] not in (1, B) or len(dims(angles)) != 3:
         raise NoMatch(f"the angles {dims(angles)} are not [batch, queries, rope_dim / 2]")
-    chain = [*pv_nodes, *qk[2], *p_path[:-1], *softmax_nodes, scores, scaled, *s_path, *q_path[:-1], *k_nodes,
-             *v_nodes, *o_path[1:], *rope_nodes]
-    chain += (sink_above + sink_below[:-1]) if sink_below else sink_above[:-1]
+    final = sole_user(joined) if sole_user(joined) is not None and is_convert(sole_user(joined)) else joined
     to_rows = [(aten.permute.default, ([0, 2, 1, 3],))]
-    return dict(chain=chain, joined=joined, q=q, keys=keys, valid=valid_b, sink=sink_path[-1],
-                angles=angles, scale=float(scalar(scaled.args[1])), head_dim=head_dim,
+    valid_views = {4: [(aten.select.int, (1, 0))], 3: [], 2: [(aten.unsqueeze.default, (0,))]}[len(mask)]
+    return dict(chain=[*f.nodes, *q_nodes, *k_nodes, *v_nodes, *o_path[1:], *rope_nodes, final], final=final,
+                q=q, keys=keys, valid=f.valid, sink=f.sink, angles=angles, head_dim=head_dim,
                 views={"q": to_rows, "keys": [] if len(dims(keys)) == 4 else [(aten.unsqueeze.default, (1,))],
-                       "valid": [(aten.select.int, (1, 0))], "out": to_rows})
+                       "valid": valid_views + _negation(f), "out": to_rows})
+
+
+def _negation(f: _Front) -> list:
+    """The op's mask from the chain's: itself, or its negation where True drops a key."""
+    return [(aten.bitwise_not.default, ())] if f.negated else []
 
 
 @register
@@ -584,79 +724,41 @@ class MegaAttentionPass(FusionPass):
         return [n for n in graph.nodes if is_op(n, aten.bmm, aten.mm)]
 
     def match(self, gemm: fx.Node) -> Candidate:
-        pv = gemm  # P V's output, past the slices that cut shape padding off it
-        while sole_user(pv) is not None and keeps_leading(sole_user(pv)):
-            pv = sole_user(pv)
-        p, v, pv_nodes = _gemm(pv)
-        if is_op(walk(p)[-1], aten.slice):
-            return self._dense(gemm, pv, p, v, pv_nodes)
-        p_path, v_path = walk(p), walk(v)
-        div = p_path[-1]
-        if not is_op(div, aten.div) or not is_op(div.args[0], aten.exp):
-            raise NoMatch("not P V of a softmax", candidate=False)
-        exp_s, denom = div.args[:2]
-        sub = exp_s.args[0]
-        if not is_op(sub, aten.sub):
-            raise NoMatch("the exponent is not scores - max", candidate=False)
-        masked, m = sub.args[:2]
+        # 1. The softmax with the sink, the mask and the scale; the layout from where the sink runs.
+        f = _front(gemm)
+        if f.heads_at == -3 and len(dims(f.scores)) == 4:
+            return self._dense(gemm, f)
+        if f.heads_at != -2:
+            raise NoMatch(f"the sink runs along the scores' dim {f.heads_at}: not the heads of [rows.., heads, keys] "
+                          "or of [batch, heads, queries, keys]")
+        heads = dims(f.sink)
 
-        # 1. The sink: in the max and in the denominator.
-        if not is_op(m, aten.maximum):
-            raise NoMatch("the softmax's max does not include a sink (no maximum with one value per head)")
-        amax = next((x for x in m.args[:2] if per_row(x, masked, ("amax", "max"))), None)
-        if amax is None:
-            raise NoMatch("the softmax's max is not over the keys (the last dim)")
-        sink_b = _other(m, amax)
-        if not is_op(denom, aten.add):
-            raise NoMatch("the softmax's denominator has no sink term (sum + e^(sink - max))")
-        total = next((x for x in denom.args[:2] if per_row(x, exp_s, ("sum",))), None)
-        if total is None:
-            raise NoMatch("the softmax's denominator is not the sum over the keys (the last dim)")
-        sink_exp = _other(denom, total)
-        if not (is_op(sink_exp, aten.exp) and is_op(sink_exp.args[0], aten.sub)
-                and sink_exp.args[0].args[:2] == (sink_b, m)):
-            raise NoMatch("the softmax's denominator adds something else than e^(sink - max)")
-        sink_path = walk(sink_b)
-        heads = dims(sink_path[-1])
-
-        # 2. The masked, scaled scores of q against the keys.
-        if not (is_op(masked, aten.where) and is_op(masked.args[0], aten.bitwise_not, aten.logical_not)):
-            raise NoMatch("the scores are not masked as where(~valid, -inf, scores)")
-        fill = masked.args[1]
-        if _fill_value(fill) != -math.inf:
-            raise NoMatch("the masked scores are not set to -inf")
-        scaled = masked.args[2]
-        if not is_op(scaled, aten.mul) or scalar(scaled.args[1]) is None:
-            raise NoMatch("the scores are not scaled by a constant")
-        s_path = walk(scaled.args[0])
-        qk = _gemm(s_path[-1])
-        if qk is None:
-            raise NoMatch("the scores are not a GEMM of q and the keys")
-        if len(heads) != 1:
-            raise NoMatch(f"the sink has dims {heads}: not one value per head")
-
-        # 3. The output, in the model's layout [rows.., heads, head_dim]: the rows every input is cut to.
-        o_path = _forward_moves(pv)
+        # 2. The output, in the model's layout [rows.., heads, head_dim]: the rows every input is cut to.
+        o_path = _forward_moves(f.pv)
         o = o_path[-1]
         if len(dims(o)) < 3 or dims(o)[-2] != heads[0]:
             raise NoMatch(f"the output {dims(o)} is not [rows.., heads, head_dim] with the sink's {heads[0]} heads")
         _named_order(o_path[::-1], "rhd", "rhd", "the output", inverse=True)
-        rows, head_dim, n_keys = dims(o)[:-2], dims(o)[-1], dims(masked)[-1]
-        q_path = _cut(walk(qk[0]), rows, [heads[0], head_dim], "q")
-        k_path = _cut(walk(qk[1]), rows, [n_keys, head_dim], "the keys (scores)")
-        v_path = _cut(v_path, rows, [n_keys, head_dim], "the keys (values)")
+        rows, head_dim, n_keys = dims(o)[:-2], dims(o)[-1], dims(f.scores)[-1]
+
+        # 3. q, the keys (the values too) and the mask, each row with its own.
+        q_path = _cut(walk(f.qk[0]), rows, [heads[0], head_dim], "q")
+        k_path = _cut(walk(f.qk[1]), rows, [n_keys, head_dim], "the keys (scores)")
+        v_path = _cut(walk(f.v), rows, [n_keys, head_dim], "the keys (values)")
         if v_path[-1] is not k_path[-1]:
             raise NoMatch("the values are not the keys (K = V)")
-        valid_path = _cut(walk(masked.args[0].args[0]), rows, [n_keys], "the mask")
+        valid_path = _cut(walk(f.valid), rows, [n_keys], "the mask")
         q, keys, valid = q_path[-1], k_path[-1], valid_path[-1]
         _named_order(q_path, "rhd", "rhd", "q")
         _named_order(k_path, "rjd", "rdj", "the keys (scores)")
         _named_order(v_path, "rjd", "rjd", "the keys (values)")
-        _named_order(s_path, "rhj", "rhj", "the scores", inverse=True)
-        _named_order(p_path, "rhj", "rhj", "the softmax")
+        _named_order(f.s_path, "rhj", "rhj", "the scores", inverse=True)
+        _named_order(walk(f.p), "rhj", "rhj", "the softmax")
         _named_order(valid_path, "rj", "rj", "the mask")
         if dtype(valid) != torch.bool:
             raise NoMatch(f"the mask is {dtype(valid)}, not bool")
+
+        # 4. The inverse RoPE, the cast and the MXFP8 rounding after it.
         joined, angles_b, rope_dim, rope_nodes = _rope(o, head_dim)
         angles = _cut(walk(angles_b), rows, [rope_dim // 2], "the angles", broadcast=True)[-1]
         if dtype(angles) != torch.float32:
@@ -668,41 +770,40 @@ class MegaAttentionPass(FusionPass):
         if tail is not None:
             final, tail_nodes, _ = tail
 
-        # 4. q and the keys in one dtype; everything but the output private to the chain.
+        # 5. q and the keys in one dtype; everything but the output private to the chain.
         if dtype(q) != dtype(keys):
             raise NoMatch(f"q is {dtype(q)} and the keys {dtype(keys)}: the kernel reads one dtype")
-        chain = [*pv_nodes, *qk[2], *p_path[:-1], div, exp_s, sub, denom, total, sink_exp, sink_exp.args[0], m, masked,
-                 masked.args[0], scaled, *s_path, *q_path[:-1], *k_path[:-1], *v_path[:-1], *o_path[1:], *rope_nodes,
-                 cast, *(tail_nodes if tail else ()), final]
-        chain += [n for x in (amax, total) for n in per_row(x, masked if x is amax else exp_s, ("amax", "max", "sum"))]
+        chain = [*f.nodes, *q_path[:-1], *k_path[:-1], *v_path[:-1], *o_path[1:], *rope_nodes, cast,
+                 *(tail_nodes if tail else ()), final]
 
         def candidate(q_in: fx.Node, q_nodes: list[fx.Node], left_unfused: tuple[str, ...]) -> Candidate:
-            spec = ops.attention_spec(val(q_in), val(angles), float(scalar(scaled.args[1])),
-                                      str(dtype(cast)).removeprefix("torch."), tail is not None, q_in is not q)
-            inputs = {"q": q_in, "keys": keys, "valid": valid, "sink": sink_path[-1], "angles": angles}
+            spec = ops.attention_spec(val(q_in), val(angles), f.scale, str(dtype(cast)).removeprefix("torch."),
+                                      tail is not None, q_in is not q)
+            inputs = {"q": q_in, "keys": keys, "valid": valid, "sink": f.sink, "angles": angles,
+                      "views": {"valid": _negation(f)}}
             return _candidate(gemm, chain + q_nodes, final, spec, inputs, left_unfused,
                               outputs={"out": final, "shape_of": tail[2] if tail else None}, insert_before=cast)
 
-        # 5. q's RoPE by the same angles, where it is private to the chain; else it stays unfused.
+        # 6. q's RoPE by the same angles, where it is private to the chain; else it stays unfused.
         try:
             return candidate(*_q_rope(q, head_dim, rope_dim, angles, rows), ())
         except NoMatch as e:
             return candidate(q, [], (f"the q RoPE: {e.reason}",))
 
-    def _dense(self, gemm, pv, p, v, pv_nodes) -> Candidate:
-        d = _dense_candidate(gemm, pv, p, v, pv_nodes)
+    def _dense(self, gemm: fx.Node, f: _Front) -> Candidate:
+        d = _dense_candidate(f)
         if dtype(d["q"]) != dtype(d["keys"]):
             raise NoMatch(f"q is {dtype(d['q'])} and the keys {dtype(d['keys'])}: the kernel reads one dtype")
         if dtype(d["angles"]) != torch.float32:
             raise NoMatch(f"the angles are {dtype(d['angles'])}: the rotation the kernel reproduces runs in fp32")
         views = d["views"]
         q_rows = _viewed_fake(val(d["q"]), views["q"])
-        spec = ops.attention_spec(q_rows, val(d["angles"]), d["scale"], str(dtype(d["joined"])).removeprefix("torch."),
+        spec = ops.attention_spec(q_rows, val(d["angles"]), f.scale, str(dtype(d["final"])).removeprefix("torch."),
                                   False, False)
         inputs = {name: d[name] for name in ("q", "keys", "valid", "sink", "angles")}
-        return _candidate(gemm, d["chain"], d["joined"], spec, inputs | {"views": views},
+        return _candidate(gemm, d["chain"], d["final"], spec, inputs | {"views": views},
                           ("the q RoPE: HF rotates q before its [batch, heads, queries] transpose (not matched)",),
-                          outputs={"out": d["joined"], "shape_of": None}, insert_before=d["joined"])
+                          outputs={"out": d["final"], "shape_of": None}, insert_before=d["final"])
 
     def check(self, candidate: Candidate) -> str | None:
         i, views = candidate.inputs, candidate.inputs.get("views", {})

@@ -39,13 +39,10 @@ a top-k spelled otherwise.
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
 import torch.fx as fx
-
-from megafuse.lowering import mega_indexer as indexer_kernels
 
 from . import ops
 from .base import Candidate, FusionPass, NoMatch
@@ -54,10 +51,6 @@ from .graph import aten, call, dims, dtype, is_convert, is_op, known_less, prims
 from .registry import register
 
 NEG_INF = float("-inf")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _kw(node: fx.Node, index: int, name: str, default=None):
@@ -408,7 +401,7 @@ class MegaIndexerPass(FusionPass):
         # 3. The keys: the MXFP4 decode of the request's pages of the pool.
         keys_path = walk(keys_side)
         if keys_path[-1].target is aten.view.dtype:  # raw rows: the bits reinterpreted
-            key_format = _dtype_name(dtype(keys_path[-1]))
+            key_format = str(dtype(keys_path[-1])).removeprefix("torch.")
         else:
             cut = next((i for i, n in enumerate(keys_path[:-1]) if is_op(n, aten.view, aten.reshape)
                         and is_op(keys_path[i + 1], aten.mul)), None)

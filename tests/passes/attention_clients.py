@@ -1,5 +1,7 @@
-"""Attention chains for the MegaAttention pass tests: the model's own chain and near misses one
-change away from it. Inputs are rows [B, T] of queries, each with its own key rows (K = V)."""
+"""Attention chains for the MegaAttention pass tests: the model's own chain, the same function with
+the other form of the max, and near misses one change away from it. Inputs are rows [B, T] of
+queries, each with its own key rows (K = V). Attentions written outside the project, in many
+spellings: attention_spellings.py."""
 
 import torch
 from torch import nn
@@ -34,14 +36,23 @@ def _scores(module, q, keys, valid):
     return s.masked_fill(~valid[:, :, None, :], NEG_INF), module.sink[None, None, :, None]
 
 
-class NoSinkInMax(AttentionChain):
-    """Near miss: the max leaves the sink out (the sink only in the denominator)."""
+class PlainMaxChain(AttentionChain):
+    """The max leaves the sink out (m = max_j s_j, the sink only in the denominator): m cancels, the
+    same function as the model's (but NaN for a query without a valid key, where the model's is 0)."""
 
     def attend(self, q, keys, valid):
         s, sink = _scores(self, q, keys, valid)
         m = s.amax(dim=-1, keepdim=True)
         p = torch.exp(s - m)
         return torch.einsum("bthj,btjd->bthd", p / (p.sum(-1, keepdim=True) + torch.exp(sink - m)), keys.float())
+
+
+class NoSink(AttentionChain):
+    """Near miss: no sink at all, a plain softmax over the keys."""
+
+    def attend(self, q, keys, valid):
+        s, _ = _scores(self, q, keys, valid)
+        return torch.einsum("bthj,btjd->bthd", s.softmax(-1), keys.float())
 
 
 class NoSinkInDenominator(AttentionChain):

@@ -114,9 +114,9 @@ def test_hf_deepseek_v4_layers_compile_once_per_kind_and_the_report_says_what_th
     n_layers = model.config.num_hidden_layers
     # the routed experts fuse in every layer, the hash-routed ones too (their ids come from a table)
     assert whole.report.counts() == {"mega_mhc": 2 * n_layers, "mega_gate": 2, "mega_attention": n_layers,
-                                     "mega_moe": n_layers}
+                                     "mega_moe": n_layers, "mega_indexer": 0}
     assert fused.report.counts() == {"mega_mhc": 2 * n_layers, "mega_gate": 2, "mega_attention": 0,
-                                     "mega_moe": n_layers}
+                                     "mega_moe": n_layers, "mega_indexer": 0}
     assert {r.reason for r in fused.report.rejections("mega_attention")} == {
         "the scores are not masked: neither where(~valid, -inf, s) nor s + where(valid, 0, -inf)"}
     assert sorted(g.blocks for g in fused.report.graphs) == [[f"model.layers.{i}" for i in range(2)],

@@ -9,9 +9,10 @@ from torch._inductor import config as inductor_config
 from megafuse.lowering import kernel_cache
 from megafuse.model import build_model
 from tests.passes.attention_clients import (AttentionChain, AttentionChainMxfp8, FloorScaleMxfp8, ForwardRope,
-                                            HFDenseChain, HFForwardRope, HFSinkKept, NoSinkInDenominator, NoSinkInMax,
-                                            RopedQChain, RopedQOtherAngles, RopeOnHead, SoftmaxOverHeads,
-                                            ValuesNotKeys)
+                                            HFDenseChain, HFForwardRope, HFSinkKept, NoSink, NoSinkInDenominator,
+                                            PlainMaxChain, RopedQChain, RopedQOtherAngles, RopeOnHead,
+                                            SoftmaxOverHeads, ValuesNotKeys)
+from tests.passes import attention_spellings as outside
 from tests.passes.cuda_forms import TORCH_2_11_FORMS
 from tests.passes.online_softmax import online_softmax
 from tests.passes.post_grad import fuse
@@ -67,6 +68,46 @@ def test_the_model_chain_fuses_once_and_equals_it(dtype, tol):
     assert out.dtype == dtype and out.shape == want.shape
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))  # no valid key, and the sink: exactly 0
     assert _rel(out, want) <= tol
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_the_max_without_the_sink_fuses_as_the_model_chain(dtype, tol):
+    # m = max_j s_j with the sink only in the denominator: m cancels, so it is the model's function,
+    # and the kernel keeps its own max (the sink's included)
+    module = PlainMaxChain(HEADS, HEAD_DIM, out_dtype=dtype)
+    args = _inputs(2, 3, dtype, seed=1)
+    fused, out = _run_fused(module, args)
+    assert fused.report.counts() == {"mega_attention": 1}, fused.report.rejections("mega_attention")
+    graph = fused.post_grad_graphs[0]
+    for gone in CHAIN_OPS:
+        assert gone not in graph, gone
+    model_chain = AttentionChain(HEADS, HEAD_DIM, out_dtype=dtype)  # the same sink
+    assert _rel(out, model_chain(*args)) <= tol
+    # query (0, 0) sees no valid key: eager's plain max makes it e^(-inf - -inf) = NaN, the fused
+    # op the function's value, 0 (as the model's chain)
+    assert bool(module(*args)[0, 0].isnan().all()) and torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+
+
+@pytest.mark.parametrize("rows", ["many", "one"])
+@pytest.mark.parametrize("graph", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("max_form", ["with_sink", "plain"])
+@pytest.mark.parametrize("layout", ["gathered", "dense"])
+def test_an_attention_written_outside_fuses_once_with_either_max(layout, max_form, dtype, graph, rows):
+    # tests/passes/attention_spellings.py, its default spellings: the sink viewed [1, 1, H, 1],
+    # masked_fill(~valid, -inf), exp / (sum + e^(sink - m)), the inverse RoPE by pairs (gathered)
+    # or rotate-half (dense); on the CPU's graph and the GPU's (online softmax, padded GEMMs, at one
+    # query a GEMM of batch one as mm)
+    spec = outside.check_fused(outside.Spelling(layout=layout, rows=rows, max=max_form, dtype=dtype, graph=graph))
+    assert (spec["heads"], spec["head_dim"], spec["rope_dim"]) == (outside.HEADS, outside.HEAD_DIM, outside.ROPE_DIM)
+    assert spec["out_dtype"] == dtype and spec["scale"] == outside.HEAD_DIM ** -0.5
+
+
+@pytest.mark.parametrize("near_miss", ["no_sink", "no_inverse_rope"])
+@pytest.mark.parametrize("layout", ["gathered", "dense"])
+def test_an_attention_written_outside_without_its_sink_or_its_inverse_rope_stays_unfused(layout, near_miss):
+    # no sink: another function; no inverse RoPE: the pass matches the attention with it only
+    outside.check_near_miss(outside.Spelling(layout=layout, near_miss=near_miss))
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
@@ -170,7 +211,7 @@ def test_an_mxfp8_rounding_with_another_scale_rule_stays_unfused():
 
 
 @pytest.mark.parametrize("module, reason", [
-    (NoSinkInMax(HEADS, HEAD_DIM), "max does not include a sink"),
+    (NoSink(HEADS, HEAD_DIM), "denominator has no sink term"),
     (NoSinkInDenominator(HEADS, HEAD_DIM), "denominator has no sink term"),
     (SoftmaxOverHeads(HEADS, HEAD_DIM), "not over the keys"),
     (ValuesNotKeys(HEADS, HEAD_DIM), "values are not the keys"),
