@@ -21,10 +21,11 @@ Kernels (one generated module, two launches in stream order)
    straight from the pool's bytes (the page table gathers the pages; no decoded copy of the keys
    exists), takes the H x BLOCK_N logits in one `tl.dot`, then ReLU, the head weights, the sum over
    heads and the visibility mask in registers, and stores the scores [R, N] fp32.
-2. `_select_kernel`, grid (R,): the top-K without a sort. Each score maps to an unsigned key that
-   orders as the float does; a radix search over the 32 key bits, MSB first, finds the K-th largest
-   key t (count(key >= t) >= K > count(key > t)); one sweep in entry order then writes the entries
-   above t and the lowest-entry ones equal to it, which comes out ascending, and pads with -1.
+2. `_select_kernel`, grid (R / BLOCK_R,): the top-K without a sort. Each score maps to an unsigned
+   key that orders as the float does; a radix search over the 32 key bits, MSB first, finds each
+   row's K-th largest key t (count(key >= t) >= K > count(key > t)), raised to -FLT_MAX's key so that
+   -inf is never chosen; one sweep in entry order then writes the entries above t and the
+   lowest-entry ones equal to it, which comes out ascending, and pads with -1.
 
 Numerics: bf16 queries against keys of bf16 values (MXFP4, or raw bf16) dot exactly in bf16 with
 fp32 accumulation; otherwise the dot runs in tf32x3 (each operand split in two tf32 parts: exact
@@ -155,7 +156,9 @@ BLOCK_N = tl.constexpr($BLOCK_N)
 WIDTH = tl.constexpr($WIDTH)
 HAS_ALLOWED = tl.constexpr($ALLOWED)
 
-$COMBINERS
+# Sums reduce and scan with tl.standard._sum_combine, a builtin's argument rather than a call of the
+# @triton.jit library (tl.sum, tl.cumsum): the interpreter runs that combiner as one numpy sum, where
+# another combiner runs element by element.
 
 $DECODE
 
@@ -176,7 +179,7 @@ def mega_indexer_kernel(q_ptr, w_ptr, pool_ptr, pages_ptr, positions_ptr, allowe
     q = tl.load(q_ptr + r * H * D + h[:, None] * D + d[None, :], mask=(h < H)[:, None], other=0.0).to(tl.float32)
 $DOT_LINES
     w = tl.load(w_ptr + r * H + h, mask=h < H, other=0.0)
-    scores = tl.reduce(tl.maximum(logits, 0.0) * w[:, None], 0, _add)
+    scores = tl.reduce(tl.maximum(logits, 0.0) * w[:, None], 0, tl.standard._sum_combine)
     tl.store(scores_ptr + r * N + n, tl.where(visible, scores, float("-inf")), mask=n < N)
 
 
@@ -188,50 +191,54 @@ def _order_key(scores):
 
 
 @triton.jit
-def _count(row_ptr, N, threshold, STRICT: tl.constexpr, BLOCK: tl.constexpr):
-    \"\"\"How many of the row's keys lie above `threshold` (STRICT) or at or above it.\"\"\"
-    count = 0
+def _count(scores_ptr, rows, rows_ok, N, threshold, STRICT: tl.constexpr, BLOCK_R: tl.constexpr,
+           BLOCK: tl.constexpr):
+    """Per row: how many of its keys lie above `threshold` [BLOCK_R] (STRICT) or at or above it."""
+    count = tl.full([BLOCK_R], 0, tl.int32)
     for start in range(0, N, BLOCK):
         n = start + tl.arange(0, BLOCK)
-        key = _order_key(tl.load(row_ptr + n, mask=n < N, other=float("-inf")))
+        ok = rows_ok[:, None] & (n < N)[None, :]
+        key = _order_key(tl.load(scores_ptr + rows[:, None] * N + n[None, :], mask=ok, other=float("-inf")))
         if STRICT:
-            hit = key > threshold
+            hit = key > threshold[:, None]
         else:
-            hit = key >= threshold
-        count += tl.reduce((hit & (n < N)).to(tl.int32), 0, _add)
+            hit = key >= threshold[:, None]
+        count += tl.reduce((hit & ok).to(tl.int32), 1, tl.standard._sum_combine)
     return count
 
 
 @triton.jit
-def _select_kernel(scores_ptr, out_ptr, N, BLOCK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    row = scores_ptr + r * N
-    zero = (tl.program_id(0) * 0).to(tl.uint32)
-    threshold = zero + 0x00800000  # the key of -FLT_MAX: -inf (not visible) lies below it
-    if _count(row, N, threshold, False, BLOCK) > K:
-        prefix = zero  # the K-th largest key, bit by bit from the top
-        for i in range(32):
-            candidate = prefix | ((zero + 1) << (31 - i))
-            if _count(row, N, candidate, False, BLOCK) >= K:
-                prefix = candidate
-        threshold = prefix
-    need = K - _count(row, N, threshold, True, BLOCK)  # of the keys equal to the threshold
-    written = 0
-    equal_seen = 0
+def _select_kernel(scores_ptr, out_ptr, R, N, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows_ok = rows < R
+    rows = rows.to(tl.int64)
+    prefix = tl.full([BLOCK_R], 0, tl.uint32)  # each row's K-th largest key, bit by bit from the top
+    for i in range(32):
+        candidate = prefix | (tl.full([BLOCK_R], 1, tl.uint32) << (31 - i))
+        enough = _count(scores_ptr, rows, rows_ok, N, candidate, False, BLOCK_R, BLOCK) >= K
+        prefix = tl.where(enough, candidate, prefix)
+    # a row with fewer than K scores above -inf takes them all: -inf (not visible) is never chosen
+    threshold = tl.maximum(prefix, tl.full([BLOCK_R], 0x00800000, tl.uint32))  # the key of -FLT_MAX
+    need = K - _count(scores_ptr, rows, rows_ok, N, threshold, True, BLOCK_R, BLOCK)  # of those equal to it
+    written = tl.full([BLOCK_R], 0, tl.int32)
+    equal_seen = tl.full([BLOCK_R], 0, tl.int32)
     for start in range(0, N, BLOCK):
         n = start + tl.arange(0, BLOCK)
-        key = _order_key(tl.load(row + n, mask=n < N, other=float("-inf")))
-        above = (key > threshold) & (n < N)
-        equal = ((key == threshold) & (n < N)).to(tl.int32)
-        equal_rank = equal_seen + tl.cumsum(equal, 0) - equal
-        chosen = (above | ((equal != 0) & (equal_rank < need))).to(tl.int32)
-        slot = written + tl.cumsum(chosen, 0) - chosen
-        tl.store(out_ptr + r * K + slot, n.to(tl.int64), mask=chosen != 0)
-        written += tl.reduce(chosen, 0, _add)
-        equal_seen += tl.reduce(equal, 0, _add)
+        ok = rows_ok[:, None] & (n < N)[None, :]
+        key = _order_key(tl.load(scores_ptr + rows[:, None] * N + n[None, :], mask=ok, other=float("-inf")))
+        above = (key > threshold[:, None]) & ok
+        equal = ((key == threshold[:, None]) & ok).to(tl.int32)
+        equal_rank = equal_seen[:, None] + tl.associative_scan(equal, 1, tl.standard._sum_combine) - equal
+        chosen = (above | ((equal != 0) & (equal_rank < need[:, None]))).to(tl.int32)
+        slot = written[:, None] + tl.associative_scan(chosen, 1, tl.standard._sum_combine) - chosen
+        ids = tl.zeros([BLOCK_R, BLOCK], tl.int64) + n[None, :]
+        tl.store(out_ptr + rows[:, None] * K + slot, ids, mask=chosen != 0)
+        written += tl.reduce(chosen, 1, tl.standard._sum_combine)
+        equal_seen += tl.reduce(equal, 1, tl.standard._sum_combine)
     for start in range(0, K, BLOCK):
         slot = start + tl.arange(0, BLOCK)
-        tl.store(out_ptr + r * K + slot, tl.full([BLOCK], -1, tl.int64), mask=(slot >= written) & (slot < K))
+        tl.store(out_ptr + rows[:, None] * K + slot[None, :], tl.full([BLOCK_R, BLOCK], -1, tl.int64),
+                 mask=rows_ok[:, None] & (slot[None, :] >= written[:, None]) & (slot < K)[None, :])
 ''')
 
 # Any edit of this module or of the shared snippets changes every spec's key.
@@ -268,7 +275,7 @@ def generate_source(spec: IndexerSpec, block_n: int = 64) -> str:
     return _TEMPLATE.substitute(
         KEY=spec.key(), SPEC_LINE=spec_line, H=spec.heads, H_PAD=max(16, _next_pow2(spec.heads)), D=spec.head_dim, K=spec.topk, RATIO=spec.ratio,
         PER_PAGE=spec.per_page, ROW_BYTES=spec.row_bytes, BLOCK_N=block_n, ALLOWED=spec.allowed,
-        WIDTH=width, COMBINERS=snippets.COMBINERS, DECODE=decode, DOT_LINES=dot)
+        WIDTH=width, DECODE=decode, DOT_LINES=dot)
 
 
 def kernel_name(spec: IndexerSpec, block_n: int) -> str:
@@ -287,18 +294,23 @@ def load(spec: IndexerSpec, block_n: int, interpret: bool, attr: str):
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Entries per scoring program (BLOCK_N) and per step of the selection's sweeps (block_select)."""
+    """Entries per scoring program (BLOCK_N), rows per selection program (block_rows) and entries per
+    step of its sweeps (block_select)."""
     block_n: int
     block_select: int
+    block_rows: int = 1
     num_warps: int = 4
 
 
 def choose_config(spec: IndexerSpec, n_rows: int, *, device: torch.device | str = "cuda") -> LaunchConfig:
-    """Hopper: 64 entries a scoring program (H x 64 logits over D in one MMA), sweeps of 1024 scores.
-    The interpreter runs programs one after the other: wider blocks, fewer of them."""
+    """Hopper: 64 entries a scoring program (H x 64 logits over D in one MMA), a row a selection
+    program (decode steps hold few rows: one SM each), sweeps of 1024 scores. The interpreter runs
+    programs one after the other, each op at about the same cost whatever its size: wider blocks,
+    and up to 32 rows a selection program."""
     if torch.device(device).type == "cuda":
-        return LaunchConfig(block_n=64, block_select=1024, num_warps=4)
-    return LaunchConfig(block_n=128, block_select=_next_pow2(max(spec.topk, 256)))
+        return LaunchConfig(block_n=64, block_select=1024, block_rows=1, num_warps=4)
+    return LaunchConfig(block_n=128, block_select=_next_pow2(max(spec.topk, 256)),
+                        block_rows=min(32, _next_pow2(max(n_rows, 1))))
 
 
 def validate(q, w, pool, pages, positions, allowed, spec: IndexerSpec) -> None:
@@ -349,7 +361,8 @@ def mega_indexer(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, pages: to
     with contextlib.nullcontext() if interpret else torch.cuda.device(device):
         score[(R, -(-N // cfg.block_n))](q, w, pool, pages, positions, allowed, scores, N, pages.stride(0),
                                          INTERPRETED=interpret, **options)
-        select[(R,)](scores, out, N, BLOCK=cfg.block_select, **options)
+        select[(-(-R // cfg.block_rows),)](scores, out, R, N, BLOCK_R=cfg.block_rows, BLOCK=cfg.block_select,
+                                           **options)
     return out, scores
 
 
