@@ -146,6 +146,14 @@ def _dot16(a, b, acc, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _row_and_heads(BLOCK_H: tl.constexpr):
+    """The program's query row and its block of heads: program_id(0) runs over rows x head blocks,
+    the head blocks of a row adjacent."""
+    blocks: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    return tl.program_id(0) // blocks, (tl.program_id(0) % blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+
+
+@triton.jit
 def _rope_pairs(x, row, cos_ptr, sin_ptr, stride_angle_row, BLOCK_H: tl.constexpr):
     """x [BLOCK_H, DH] fp32 as its (even, odd) elements [BLOCK_H, HALF] and the row's cos and sin
     [1, HALF]: 1 and 0 outside the rotated tail, so a rotation leaves those pairs as they are."""
@@ -175,9 +183,9 @@ def $KERNEL(q_ptr, k_ptr, valid_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, m_ptr,
             SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (row, block of heads, split): the split's keys; with SPLITS > 1 its partial result
     (running max, running sum without the sink, unnormalised o) goes to the workspace for
-    ${KERNEL}_combine, else the program finishes the row itself."""
-    row = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ${KERNEL}_combine, else the program finishes the row itself. A row's head blocks are adjacent
+    programs, so its key tiles come from HBM once and from L2 for the other blocks."""
+    row, heads = _row_and_heads(BLOCK_H)
     head_ok = heads < H
     dims = tl.arange(0, DH)
     q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + dims[None, :],
@@ -189,7 +197,7 @@ $Q_ROPE_LINES
     m = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
     total = tl.full((BLOCK_H,), 1.0 if SPLITS == 1 else 0.0, tl.float32)
     acc = tl.full((BLOCK_H, DH), 0.0, tl.float32)
-    first = tl.program_id(2) * KEYS_PER_SPLIT
+    first = tl.program_id(1) * KEYS_PER_SPLIT
     last = tl.minimum(first + KEYS_PER_SPLIT, J)
     for start in range(first, last, BLOCK_J):
         keys = start + tl.arange(0, BLOCK_J)
@@ -208,7 +216,7 @@ $PV_LINES
         _finish(acc / total[:, None], row, heads, head_ok, dims, cos_ptr, sin_ptr, out_ptr, stride_angle_row,
                 stride_out_row, stride_out_head, BLOCK_H)
     else:
-        at = (row * SPLITS + tl.program_id(2)) * H + heads
+        at = (row * SPLITS + tl.program_id(1)) * H + heads
         tl.store(m_ptr + at, m, mask=head_ok)
         tl.store(l_ptr + at, total, mask=head_ok)
         tl.store(part_ptr + at[:, None] * DH + dims[None, :], acc, mask=head_ok[:, None])
@@ -219,8 +227,7 @@ def ${KERNEL}_combine(sink_ptr, cos_ptr, sin_ptr, out_ptr, m_ptr, l_ptr, part_pt
                       stride_out_row, stride_out_head, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr):
     """Program (row, block of heads): the splits' partial results merged under their common max,
     the sink's term added once, then the epilogue."""
-    row = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row, heads = _row_and_heads(BLOCK_H)
     head_ok = heads < H
     dims = tl.arange(0, DH)
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
@@ -397,19 +404,19 @@ def mega_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sin
     q, keys, valid = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, valid))
     sink = sink.contiguous()
     interpret = q.device.type != "cuda"
-    heads = (R, -(-spec.heads // config.block_h))
+    programs = (R * -(-spec.heads // config.block_h),)  # rows x head blocks (_row_and_heads)
     partial = (R, config.splits, spec.heads)
     m, total = (empty(partial, torch.float32, q.device) for _ in range(2)) if config.splits > 1 else (out, out)
     acc = empty((*partial, spec.head_dim), torch.float32, q.device) if config.splits > 1 else out
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS)
     on_device = contextlib.nullcontext() if interpret else torch.cuda.device(q.device)
     with on_device:
-        load(spec, interpret)[(*heads, config.splits)](
+        load(spec, interpret)[(*programs, config.splits)](
             q, keys, valid, sink, cos, sin, out, m, total, acc, J, config.keys_per_split, q.stride(0), q.stride(1),
             keys.stride(0), keys.stride(1), valid.stride(0), cos.stride(0), out.stride(0), out.stride(1),
             BLOCK_H=config.block_h, BLOCK_J=config.block_j, SPLITS=config.splits, INTERPRETED=interpret, **options)
         if config.splits > 1:
-            load(spec, interpret, COMBINE_NAME)[heads](
+            load(spec, interpret, COMBINE_NAME)[programs](
                 sink, cos, sin, out, m, total, acc, cos.stride(0), out.stride(0), out.stride(1),
                 BLOCK_H=config.block_h, SPLITS=config.splits, **options)
     return out

@@ -231,7 +231,7 @@ def _select_kernel(scores_ptr, out_ptr, R, N, BLOCK_R: tl.constexpr, BLOCK: tl.c
         equal_rank = equal_seen[:, None] + tl.associative_scan(equal, 1, tl.standard._sum_combine) - equal
         chosen = (above | ((equal != 0) & (equal_rank < need[:, None]))).to(tl.int32)
         slot = written[:, None] + tl.associative_scan(chosen, 1, tl.standard._sum_combine) - chosen
-        ids = tl.zeros([BLOCK_R, BLOCK], tl.int64) + n[None, :]
+        ids = tl.full([BLOCK_R, BLOCK], 0, tl.int64) + n[None, :]  # tl.zeros is a @triton.jit library function
         tl.store(out_ptr + rows[:, None] * K + slot, ids, mask=chosen != 0)
         written += tl.reduce(chosen, 1, tl.standard._sum_combine)
         equal_seen += tl.reduce(equal, 1, tl.standard._sum_combine)

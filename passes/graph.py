@@ -100,6 +100,31 @@ def scalar(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
+def zero_or_below(node, floor: float) -> bool:
+    """Every element of `node` is provably 0 or <= `floor` (an additive mask that keeps or removes),
+    read from how the graph builds it: fills, where, scatter, cat, add, slices, views and float
+    converts of such values (a mask built elsewhere, a graph input, proves nothing)."""
+    if not isinstance(node, fx.Node):
+        return scalar(node) is not None and (scalar(node) == 0 or scalar(node) <= floor)
+    if is_op(node, aten.full):
+        return zero_or_below(node.args[1], floor)
+    if is_op(node, aten.zeros):
+        return True
+    if is_op(node, aten.where):
+        return all(zero_or_below(x, floor) for x in node.args[1:3])
+    if is_op(node, aten.scatter) and len(node.args) == 4 and not node.kwargs:  # (x, dim, index, value or src)
+        return all(zero_or_below(x, floor) for x in (node.args[0], node.args[3]))
+    if is_op(node, aten.cat):
+        return all(zero_or_below(x, floor) for x in node.args[0])
+    if is_op(node, aten.add, aten.minimum):  # 0 + 0 = 0; anything <= floor plus <= 0 stays <= floor
+        return all(zero_or_below(x, floor) for x in node.args[:2])
+    if is_convert(node):  # a float cast keeps 0 and sends a value <= floor to <= floor or -inf
+        return (dtype(node) or torch.int32).is_floating_point and zero_or_below(node.args[0], floor)
+    if moves(node) or is_op(node, aten.slice, aten.select, aten.expand, *LAYOUT_OPS):
+        return zero_or_below(node.args[0], floor)
+    return False
+
+
 def sole_user(node: fx.Node) -> fx.Node | None:
     """The one node that reads `node`, or None where it has none or several."""
     return next(iter(node.users)) if len(node.users) == 1 else None

@@ -5,7 +5,8 @@ Pattern (post-grad ATen graph, anchored at the P V `aten.bmm`), each query row w
     q   = cat(x[..., :-rd], RoPE(x[..., -rd:]))    optional: q's RoPE by the output's own angles, rounded to x's dtype
     s   = (q . k_j) * scale          bmm of q [.., R, H, Dh] and the keys [.., R, J, Dh], times (or over) a constant
     s   = where(~valid, -inf, s)      valid [.., R, J] bool, broadcast over the heads (or where(valid, s, -inf),
-                                      s + where(valid, 0, -inf); the fill may be any value below -1e30)
+                                      s + where(valid, 0, -inf), s + a float mask built of 0 and -inf only;
+                                      the fill may be any value below -1e30)
     m   = maximum(amax(s, -1), sink)  sink: one value per head; or m = amax(s, -1): m cancels below
     p   = exp(s - m) / (sum(exp(s - m), -1) + exp(sink - m))     or softmax(cat([s, sink], -1))[..., :-1]
     o   = p @ keys                    the values are the keys (K = V)
@@ -52,7 +53,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from . import ops
 from .base import Candidate, FusionPass, NoMatch
 from .graph import FLOATS, aten, call, dims, dtype, is_convert, is_last_dim, is_op, keeps_leading, moves, per_row, scalar, \
-    sole_user, source_groups, strip, under_slices, unpadded, val, walk
+    sole_user, source_groups, strip, under_slices, unpadded, val, walk, zero_or_below
 from .registry import register
 
 
@@ -372,9 +373,12 @@ def _rope(o: fx.Node, head_dim: int, inverse: bool = True) -> tuple[fx.Node, fx.
 # gets that function's value, 0, where the plain max computes e^(-inf - -inf) = NaN.
 #
 # The scores are masked as where(~valid, fill, s) (masked_fill), where(valid, s, fill) or
-# s + where(valid, 0, fill), fill -inf or below -1e30, and scaled by a constant (s * c or s / c).
+# s + where(valid, 0, fill), fill -inf or below -1e30, or s + a float mask the graph builds of 0
+# and such fills only (a compressed layer's block bias joined to the window's mask: the op takes
+# mask == 0), and scaled by a constant (s * c or s / c).
 
 _FILL_BELOW = -1e30  # a mask value that removes a key: e^(fill - m) is 0 in fp32, as in the kernel
+_NEGATE = [(aten.bitwise_not.default, ())]
 
 
 @dataclass
@@ -386,8 +390,8 @@ class _Front:
     qk: tuple  # (q's operand, the keys' operand, the nodes) of the scores' GEMM
     s_path: list[fx.Node]  # the scaled scores' input down to that GEMM
     scores: fx.Node  # the masked scores the softmax reads
-    valid: fx.Node  # the bool mask
-    negated: bool  # True in `valid` drops a key: the op takes ~valid
+    valid: fx.Node  # the mask
+    to_bool: list  # the views that make the op's bool mask of `valid` (_mask)
     sink: fx.Node  # one value per head [H]
     heads_at: int  # the scores' dim the sink runs along, counted from the end
     scale: float
@@ -421,7 +425,7 @@ def _front(gemm: fx.Node) -> _Front:
     scores, sink_b, softmax_nodes = _sink_softmax(p_path[-1])
     scores, widened = strip(scores, layout=False)  # masked in 16 bits, the softmax in fp32
     sink, heads_at = _sink_source(sink_b)
-    scaled, valid, negated = _mask(scores)
+    scaled, valid, to_bool = _mask(scores)
     c = scalar(scaled.args[1]) if is_op(scaled, aten.mul, aten.div) else None
     if not c:
         raise NoMatch("the scores are not scaled by a constant")
@@ -430,7 +434,7 @@ def _front(gemm: fx.Node) -> _Front:
     if qk is None:
         raise NoMatch("the scores are not a GEMM of q and the keys")
     nodes = [*pv_nodes, *p_path[:-1], *softmax_nodes, *widened, scores, scaled, *s_path, *qk[2]]
-    return _Front(pv, p, v, qk, s_path, scores, valid, negated, sink, heads_at,
+    return _Front(pv, p, v, qk, s_path, scores, valid, to_bool, sink, heads_at,
                   c if is_op(scaled, aten.mul) else 1 / c, nodes)
 
 
@@ -469,7 +473,7 @@ def _sink_softmax(p_top: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
 
 def _sink_column_softmax(p_top: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
     """(scores, the sink column, the nodes) of p_top = softmax(cat([scores, sink], -1))[..., :-1]."""
-    div = p_top.args[0]
+    div, narrowed = strip(p_top.args[0], layout=False)  # softmax(.., dtype=bf16) rounds p after the division
     exp_x, total = div.args[:2] if is_op(div, aten.div) else (None, None)
     if not (is_op(exp_x, aten.exp) and is_op(exp_x.args[0], aten.sub)):
         raise NoMatch("not P V of a softmax", candidate=False)
@@ -477,18 +481,19 @@ def _sink_column_softmax(p_top: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node
     if _slice_range(p_top, width) != (0, width - 1):
         raise NoMatch("the softmax's columns are cut otherwise than dropping the last (the sink's)")
     x, shift = exp_x.args[0].args[:2]
-    nodes = [p_top, div, exp_x, exp_x.args[0]]
+    nodes = [p_top, *narrowed, div, exp_x, exp_x.args[0]]
     # the max and the sum, or Inductor's online softmax (GPUs) that takes both from x in one pass
     for found in (per_row(shift, x, ("amax", "max", "online max")),
                   per_row(total, exp_x, ("sum",)) or per_row(total, x, ("online sum",))):
         if found is None:
             raise NoMatch("the softmax with the sink column does not reduce over the last dim")
         nodes += found
-    pre = per_row(x.args[1], x.args[0], ("amax", "max")) if is_op(x, aten.sub) else None
-    if pre is not None:  # HF subtracts the row max once more before the softmax
-        nodes += [x, *pre]
-        x = x.args[0]
     x, widened = strip(x, layout=False)  # softmax(.., dtype=torch.float32) of 16-bit scores
+    pre = per_row(x.args[1], x.args[0], ("amax", "max")) if is_op(x, aten.sub) else None
+    if pre is not None:  # HF subtracts the row max once more before the softmax (in the scores' dtype)
+        nodes += [x, *pre]
+        x, more = strip(x.args[0], layout=False)
+        widened += more
     if not (is_op(x, aten.cat) and len(x.args[0]) == 2 and is_last_dim(x.args[1] if len(x.args) > 1 else 0, x)):
         raise NoMatch("the softmax's input is not the scores with one sink column appended")
     scores, sink = x.args[0]
@@ -511,9 +516,10 @@ def _sink_source(sink_b: fx.Node) -> tuple[fx.Node, int]:
     return sink, sizes.index(heads[0]) - len(sizes) if heads[0] != 1 else -2
 
 
-def _mask(scores: fx.Node) -> tuple[fx.Node, fx.Node, bool]:
-    """(the scaled scores, the bool mask, whether True in it drops a key) of the masked scores (the
-    section's comment). The mask's own nodes stay outside the chain: layers may share them."""
+def _mask(scores: fx.Node) -> tuple[fx.Node, fx.Node, list]:
+    """(the scaled scores, the mask, the views that make the op's bool mask of it: [], its negation
+    where True drops a key, or `== 0` of an additive mask) of the masked scores (the section's
+    comment). The mask's own nodes stay outside the chain: layers may share them."""
     pairs = [scores.args[:2], scores.args[1::-1]] if is_op(scores, aten.add) else [(None, scores)]
     for scaled, where in pairs:
         if not (is_op(where, aten.where) and dtype(where.args[0]) == torch.bool):
@@ -527,9 +533,12 @@ def _mask(scores: fx.Node) -> tuple[fx.Node, fx.Node, bool]:
             value = _fill_value(a) if _fill_value(a) is not None else _fill_value(b)
             raise NoMatch(f"the masked scores are set to {value} where a key is dropped: not -inf (or below -1e30)")
         valid = cond.args[0] if drops and is_op(cond, aten.bitwise_not, aten.logical_not) else cond
-        return (kept if scaled is None else scaled), valid, drops and valid is cond
+        return (kept if scaled is None else scaled), valid, _NEGATE if drops and valid is cond else []
+    for scaled, mask in pairs if is_op(scores, aten.add) else ():
+        if zero_or_below(mask, _FILL_BELOW):  # e.g. a causal mask joined with a compressed layer's block bias
+            return scaled, mask, [(aten.eq.Scalar, (0,))]
     raise NoMatch("the scores are not masked: neither where(~valid, -inf, s), where(valid, s, -inf) "
-                  "nor s + where(valid, 0, -inf)")
+                  "nor s + a mask of 0 and -inf")
 
 
 # ---- the dense layout: [batch, heads, queries, keys], one key head for every query ---------------
@@ -611,6 +620,7 @@ def _repeated_half(node: fx.Node, rd: int, what: str) -> tuple[fx.Node, list[fx.
     lead = len(dims(pairs)) - 2
     _expect(above, [*[(d,) for d in range(lead)], (lead, lead + 1)], what)
     below = walk(pairs.args[0])
+    below = below[: next((i + 1 for i, n in enumerate(below) if len(n.users) > 1), len(below))]  # q's RoPE may share it
     if dims(below[-1]) != dims(pairs)[:-1] or len(dims(node)) != lead + 2 or dims(node)[-3] != 1:
         raise NoMatch(f"{what} is not laid out [.., 1 (heads), queries, {rd}]")
     return below[-1], above[:-1] + [pairs] + below[:-1]
@@ -705,12 +715,7 @@ def _dense_candidate(f: _Front) -> dict:
     return dict(chain=[*f.nodes, *q_nodes, *k_nodes, *v_nodes, *o_path[1:], *rope_nodes, final], final=final,
                 q=q, keys=keys, valid=f.valid, sink=f.sink, angles=angles, head_dim=head_dim,
                 views={"q": to_rows, "keys": [] if len(dims(keys)) == 4 else [(aten.unsqueeze.default, (1,))],
-                       "valid": valid_views + _negation(f), "out": to_rows})
-
-
-def _negation(f: _Front) -> list:
-    """The op's mask from the chain's: itself, or its negation where True drops a key."""
-    return [(aten.bitwise_not.default, ())] if f.negated else []
+                       "valid": valid_views + f.to_bool, "out": to_rows})
 
 
 @register
@@ -755,7 +760,7 @@ class MegaAttentionPass(FusionPass):
         _named_order(f.s_path, "rhj", "rhj", "the scores", inverse=True)
         _named_order(walk(f.p), "rhj", "rhj", "the softmax")
         _named_order(valid_path, "rj", "rj", "the mask")
-        if dtype(valid) != torch.bool:
+        if dtype(valid) != torch.bool and not f.to_bool:
             raise NoMatch(f"the mask is {dtype(valid)}, not bool")
 
         # 4. The inverse RoPE, the cast and the MXFP8 rounding after it.
@@ -780,7 +785,7 @@ class MegaAttentionPass(FusionPass):
             spec = ops.attention_spec(val(q_in), val(angles), f.scale, str(dtype(cast)).removeprefix("torch."),
                                       tail is not None, q_in is not q)
             inputs = {"q": q_in, "keys": keys, "valid": valid, "sink": f.sink, "angles": angles,
-                      "views": {"valid": _negation(f)}}
+                      "views": {"valid": f.to_bool}}
             return _candidate(gemm, chain + q_nodes, final, spec, inputs, left_unfused,
                               outputs={"out": final, "shape_of": tail[2] if tail else None}, insert_before=cast)
 

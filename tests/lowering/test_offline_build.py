@@ -75,7 +75,7 @@ def test_mega_attention_builds_for_hopper(T):
     builds = hopper_builds.build_attention(T)
     config = mega_attention.choose_config(hopper_builds.ATTENTION_SPEC, T, hopper_builds.ATTENDED)
     assert [b.name for b in builds] == [mega_attention.KERNEL_NAME] + [mega_attention.COMBINE_NAME] * (config.splits > 1)
-    assert builds[0].grid == (T, hopper_builds.HEADS // config.block_h, config.splits)
+    assert builds[0].grid == (T * hopper_builds.HEADS // config.block_h, config.splits)  # rows x head blocks, splits
     for build in builds:
         _check(build)
         assert build.stack_bytes == 0

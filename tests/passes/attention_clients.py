@@ -169,6 +169,50 @@ class HFDenseChain(nn.Module):
         return (angles.cos() * 1.0).to(dtype), -(angles.sin() * 1.0).to(dtype)
 
 
+class HFCompressedChain(HFDenseChain):
+    """A compressed layer of HF's DeepseekV4 (CSA / HCA): the sliding window's keys joined with
+    `entries` compressed ones, and the mask with the compressor's block bias, built as HF builds it
+    (`-inf` everywhere, 0 scattered at the indexer's picks, -1 for none, then cut back; or the
+    causal bias, zeros filled with -inf past each query's last closed block).
+    Inputs: q, kv [B, 1, S + entries, D], allowed [B or 1, 1, T, S], picks [B, T, k] long, angles."""
+
+    def __init__(self, heads=4, head_dim=32, entries=4, bias="scatter"):
+        super().__init__(heads, head_dim)
+        self.entries, self.bias = entries, bias
+
+    def forward(self, q, kv, allowed, picks, angles):
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+        B, T, C = q.shape[0], q.shape[2], self.entries
+        window = torch.where(allowed, 0.0, torch.finfo(torch.float32).min).expand(B, -1, -1, -1)
+        if self.bias == "scatter":
+            safe = torch.where(picks >= 0, picks, torch.full_like(picks, C))
+            block = kv.new_full((B, 1, T, C + 1), NEG_INF).scatter_(-1, safe.unsqueeze(1), 0.0)[..., :C]
+        else:  # "causal": entry n visible to query t from t >= 2 n + 1
+            closed = torch.arange(C, device=q.device).view(1, 1, 1, -1) >= (torch.arange(T, device=q.device) + 1).view(1, 1, -1, 1) // 2
+            block = kv.new_zeros((B, 1, T, C)).masked_fill(closed, NEG_INF)
+        mask = torch.cat([window, block.to(window.dtype)], dim=-1)
+        o, _ = hf.eager_attention_forward(self, q, kv, kv, mask, scaling=q.shape[-1] ** -0.5)
+        cos, sin = self.factors(angles, q.dtype)
+        return hf.apply_rotary_pos_emb(o.transpose(1, 2), cos, sin).transpose(1, 2)
+
+
+class HFBiasedChain(HFCompressedChain):
+    """Near miss: the compressed entries get a learned bias (finite, not 0 or -inf) beside the mask."""
+
+    def __init__(self, heads=4, head_dim=32, entries=4):
+        super().__init__(heads, head_dim, entries)
+        self.entry_bias = nn.Parameter(torch.linspace(-1.0, 1.0, entries))
+
+    def forward(self, q, kv, allowed, picks, angles):
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+        B, T = q.shape[0], q.shape[2]
+        window = torch.where(allowed, 0.0, torch.finfo(torch.float32).min).expand(B, -1, T, -1)
+        mask = torch.cat([window, self.entry_bias.view(1, 1, 1, -1).expand(B, 1, T, -1)], dim=-1)
+        o, _ = hf.eager_attention_forward(self, q, kv, kv, mask, scaling=q.shape[-1] ** -0.5)
+        cos, sin = self.factors(angles, q.dtype)
+        return hf.apply_rotary_pos_emb(o.transpose(1, 2), cos, sin).transpose(1, 2)
+
+
 class HFForwardRope(HFDenseChain):
     """Near miss: the output's tail rotated with (cos, +sin), forward."""
 

@@ -118,7 +118,7 @@ def test_hf_deepseek_v4_layers_compile_once_per_kind_and_the_report_says_what_th
     assert fused.report.counts() == {"mega_mhc": 2 * n_layers, "mega_gate": 2, "mega_attention": 0,
                                      "mega_moe": n_layers, "mega_indexer": 0}
     assert {r.reason for r in fused.report.rejections("mega_attention")} == {
-        "the scores are not masked: neither where(~valid, -inf, s), where(valid, s, -inf) nor s + where(valid, 0, -inf)"}
+        "the scores are not masked: neither where(~valid, -inf, s), where(valid, s, -inf) nor s + a mask of 0 and -inf"}
     assert sorted(g.blocks for g in fused.report.graphs) == [[f"model.layers.{i}" for i in range(2)],
                                                             [f"model.layers.{i}" for i in range(2, n_layers)]]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

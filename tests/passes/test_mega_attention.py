@@ -9,7 +9,7 @@ from torch._inductor import config as inductor_config
 from megafuse.lowering import kernel_cache
 from megafuse.model import build_model
 from tests.passes.attention_clients import (AttentionChain, AttentionChainMxfp8, FloorScaleMxfp8, ForwardRope,
-                                            HFDenseChain, HFForwardRope, HFSinkKept, NoSink, NoSinkInDenominator,
+                                            HFBiasedChain, HFCompressedChain, HFDenseChain, HFForwardRope, HFSinkKept, NoSink, NoSinkInDenominator,
                                             PlainMaxChain, RopedQChain, RopedQOtherAngles, RopeOnHead,
                                             SoftmaxOverHeads, ValuesNotKeys)
 from tests.passes import attention_spellings as outside
@@ -304,20 +304,77 @@ def test_hf_near_misses_are_not_matched_and_say_why(module, reason):
     torch.testing.assert_close(out, module(*args), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.slow  # HF's 4-layer model through the post-grad graph (~1 min)
-def test_hf_deepseek_v4_fires_at_every_attention_layer():
+def _compressed_inputs(B, T, S, entries, k, dtype, seed):
+    """_dense_inputs over S window keys, then `entries` compressed keys joined to them and each
+    query's k picks among those (-1 for none; query 1 has none, as it has no window key)."""
+    q, kv, allowed, angles = _dense_inputs(B, T, S, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    kv = torch.cat([kv, torch.randn(B, 1, entries, HEAD_DIM, generator=g).to(dtype)], dim=2)
+    picks = torch.stack([torch.randperm(entries, generator=g)[:k] for _ in range(B * T)]).view(B, T, k)
+    picks[torch.rand(B, T, k, generator=g) < 0.3] = -1
+    picks[:, 1] = -1
+    return q, kv, allowed, picks, angles
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("bias", ["scatter", "causal"])
+def test_hf_compressed_layers_fuse_with_their_block_bias(bias, dtype, tol):
+    # the mask is the window's joined with the compressor's block bias: a float mask the pass proves
+    # to hold only 0 and -inf (or the dtype's min) from how the graph builds it, and reads as == 0
+    pytest.importorskip("transformers")
+    module = HFCompressedChain(HEADS, HEAD_DIM, entries=6, bias=bias).to(dtype)
+    module.sinks.data = module.sinks.data.float()
+    args = _compressed_inputs(2, 5, 9, entries=6, k=3, dtype=dtype, seed=11)
+    fused, out = _run_fused(module, args)
+    want = module(*args)
+    assert fused.report.counts() == {"mega_attention": 1}, fused.report.rejections("mega_attention")
+    graph = fused.post_grad_graphs[0]
+    for gone in ("aten.bmm", "aten.exp.default", "aten.amax", "aten.sin"):
+        assert gone not in graph, gone
+    assert _rel(out, want) <= tol
+    if bias == "scatter":
+        assert bool((out[:, 1] == 0).all())  # no window key, no pick: the sink alone
+
+
+def test_hf_a_finite_bias_in_the_mask_stays_unfused_and_says_why():
+    pytest.importorskip("transformers")
+    module = HFBiasedChain(HEADS, HEAD_DIM, entries=6)
+    args = _compressed_inputs(2, 5, 9, entries=6, k=3, dtype=torch.float32, seed=12)
+    fused, out = _run_fused(module, args)
+    assert fused.report.counts() == {"mega_attention": 0}
+    reasons = [r.reason for r in fused.report.rejections("mega_attention")]
+    assert len(reasons) == 1 and "nor s + a mask of 0 and -inf" in reasons[0], reasons
+    torch.testing.assert_close(out, module(*args), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # HF's 4-layer model through the post-grad graph, in fp32 and bf16 (~1 min)
+def test_hf_deepseek_v4_fires_at_every_attention_layer_compressed_ones_included():
     pytest.importorskip("transformers")
     from tests.passes.test_mega_gate_models import _hf_model
-    model = _hf_model()
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    model = _hf_model(compress_ratios=(0, 4, 128, 4))
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    layers = model.config.num_hidden_layers
     with torch.no_grad():
         fused = fuse(model, ["mega_attention"], fullgraph=True)
         logits, want = fused(ids, use_cache=False).logits, model(ids, use_cache=False).logits
-    layers = model.config.num_hidden_layers
-    assert fused.report.counts() == {"mega_attention": layers}, fused.report.rejections("mega_attention")
-    assert fused.post_grad_graphs[0].count("megafuse.mega_attention") == layers
-    graph = fused.post_grad_graphs[0]
-    # each attention's softmax is gone: HF's row max over the scores and the sink column (the only
-    # max.dim of the model; the hyper-connections' softmaxes keep their amax)
-    assert "aten.max.dim" not in graph
-    assert _rel(logits, want) <= 1e-5
+        assert fused.report.counts() == {"mega_attention": layers}, fused.report.rejections("mega_attention")
+        graph = fused.post_grad_graphs[0]
+        assert graph.count("megafuse.mega_attention") == layers
+        # each attention's softmax is gone: HF's row max over the scores and the sink column (the
+        # only max.dim of the model; the hyper-connections' softmaxes keep their amax)
+        assert "aten.max.dim" not in graph
+        assert _rel(logits, want) <= 1e-5
+
+        # bf16: HF rounds the scores and the probabilities to bf16 where the op keeps fp32, so the
+        # fused logits stand as close to the fp32 model's as the unfused compile's do
+        model_bf16 = _hf_model(compress_ratios=(0, 4, 128, 4)).to(torch.bfloat16)
+        torch._dynamo.reset()
+        fused = fuse(model_bf16, ["mega_attention"], fullgraph=True)
+        got = fused(ids, use_cache=False).logits.float()
+        assert fused.report.counts() == {"mega_attention": layers}, fused.report.rejections("mega_attention")
+        torch._dynamo.reset()
+        plain = fuse(model_bf16, [], fullgraph=True)(ids, use_cache=False).logits.float()
+    fp32 = want
+    for norm in (lambda d: d.abs().max(), lambda d: d.pow(2).mean().sqrt()):
+        assert norm(got - fp32) <= 1.5 * norm(plain - fp32), (norm(got - fp32), norm(plain - fp32))
+    assert (plain - fp32).abs().max() <= 0.1  # bf16's own distance from fp32, for scale

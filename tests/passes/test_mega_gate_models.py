@@ -28,15 +28,16 @@ def test_tiny_one_gate_per_moe_layer_and_logits_equal_eager(tmp_path):
 hf = pytest.importorskip("transformers")
 
 
-def _hf_model(sharp_routers: bool = False):
+def _hf_model(sharp_routers: bool = False, compress_ratios=(0, 0, 0, 0)):
     """HF's DeepseekV4ForCausalLM at a tiny random config. `sharp_routers`: router weights as sharp
     as trained ones, so that bf16 scores rarely tie (torch.topk leaves the order of ties open, the
-    kernel takes the lower index: a tie broken the other way changes that token's experts)."""
+    kernel takes the lower index: a tie broken the other way changes that token's experts).
+    `compress_ratios`: each layer's 0 (sliding), 4 (CSA) or 128 (HCA, here every 8 tokens)."""
     cfg = hf.DeepseekV4Config(
         vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
         head_dim=32, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, hc_mult=4, o_groups=1,
         o_lora_rank=16, index_n_heads=2, index_head_dim=32, index_topk=4, sliding_window=8,
-        compress_ratios=[0, 0, 0, 0], num_hash_layers=2, partial_rotary_factor=0.5, use_cache=False)
+        compress_ratios=list(compress_ratios), compress_rate_hca=8, num_hash_layers=2, partial_rotary_factor=0.5, use_cache=False)
     torch.manual_seed(0)
     model = hf.DeepseekV4ForCausalLM(cfg).eval()
     for layer in model.model.layers:  # a random bias, so that selection really depends on it
