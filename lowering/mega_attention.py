@@ -15,7 +15,8 @@ the max, so the denominator never vanishes.
 
 Kernel design
 -------------
-One program per (row, block of BLOCK_H heads, split of the row's keys): the row's key tile
+One program per (row, block of BLOCK_H heads, split of the row's keys), a row's head blocks adjacent
+(its keys come from HBM once, from L2 for the other blocks): the row's key tile
 [BLOCK_J, head_dim] is loaded once and used by every head of the block (heads sit in the MMA's M
 dimension, the MQA saving). An online softmax runs over the split's keys with its running max
 started at the sink, the [BLOCK_H, head_dim] accumulator in fp32 registers. The epilogue divides,
