@@ -18,6 +18,12 @@ def _maximum(a, b):
 @triton.jit
 def _add(a, b):
     return a + b
+
+
+# The interpreter reduces with numpy only for Triton's own combiners (by identity) and calls any
+# other once per element; this module is imported once per mode, so the choice is made per import.
+if __import__("os").environ.get("TRITON_INTERPRET") == "1" and hasattr(tl.standard, "_sum_combine"):
+    _add, _maximum = tl.standard._sum_combine, tl.standard._elementwise_max
 '''
 
 ROUND_16BIT = '''# Rounding an fp32 value to a 16-bit dtype and back, as torch's casts do (to nearest, ties to even),
