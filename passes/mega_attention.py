@@ -301,7 +301,7 @@ def _slice_range(node: fx.Node, size: int) -> tuple[int, int] | None:
 def _rope(o: fx.Node, head_dim: int, inverse: bool = True) -> tuple[fx.Node, fx.Node, int, list[fx.Node]]:
     """(the joined result, the angles' node, rope_dim, the nodes) of the RoPE on o's tail
     (`model.rope.apply_rope`): by -angle (`inverse`, the output; sin negated) or by +angle (q)."""
-    what, sine = ("the attention output", "-sin") if inverse else ("q", "sin")
+    what = "the attention output" if inverse else "q"
     slices = {n: _slice_range(n, head_dim) for n in o.users}
     if len(slices) != 2 or None in slices.values():
         raise NoMatch(f"{what} is not split into a kept part and a rotated part (no {'inverse ' * inverse}RoPE)")
@@ -322,23 +322,32 @@ def _rope(o: fx.Node, head_dim: int, inverse: bool = True) -> tuple[fx.Node, fx.
     for x in (even, odd):
         for mul in x.users:
             other = _other(mul, x) if is_op(mul, aten.mul) else None
-            is_sine = is_op(other, aten.neg) and is_op(other.args[0], aten.sin) if inverse else is_op(other, aten.sin)
+            is_sine = is_op(other, aten.sin) or is_op(other, aten.neg) and is_op(other.args[0], aten.sin)
             if other is None or not (is_op(other, aten.cos) or is_sine):
-                raise NoMatch(f"{x.name} is not multiplied by the angles' cos or {sine}")
+                raise NoMatch(f"{x.name} is not multiplied by the angles' cos or sin")
             products[(x is odd, "cos" if is_op(other, aten.cos) else "sin")] = (mul, other)
     if len(products) != 4:
-        raise NoMatch(f"the pairs are not rotated (each element times cos and times {sine})")
+        raise NoMatch("the pairs are not rotated (each element times cos and times sin)")
     cos, sin = products[(False, "cos")][1], products[(False, "sin")][1]
-    angles = cos.args[0]
-    sin_of = sin.args[0] if inverse else sin
+    angles, negated = cos.args[0], is_op(sin, aten.neg)
+    sin_of = sin.args[0] if negated else sin
     if sin_of.args[0] is not angles or products[(True, "cos")][1] is not cos or products[(True, "sin")][1] is not sin:
         raise NoMatch("the rotation's cos and sin are not of one angle tensor")
-    new_even = sole_user(products[(False, "cos")][0])  # even cos - odd sin'
-    new_odd = sole_user(products[(True, "cos")][0])  # even sin' + odd cos   (sin' = sin, or -sin for the inverse)
-    if not (is_op(new_even, aten.sub) and new_even.args == (products[(False, "cos")][0], products[(True, "sin")][0])):
-        raise NoMatch(f"the even elements are not rotated as even cos - odd ({sine})")
-    if not (is_op(new_odd, aten.add) and set(new_odd.args[:2]) == {products[(False, "sin")][0], products[(True, "cos")][0]}):
-        raise NoMatch(f"the odd elements are not rotated as even ({sine}) + odd cos")
+    # f the sine factor (sin or -sin): (x cos - y f, x f + y cos) rotates by the angle of f,
+    # (x cos + y f, y cos - x f) by minus it; the model's inverse is the first with f = -sin
+    (x_cos, _), (x_f, _), (y_cos, _), (y_f, _) = (products[k] for k in ((False, "cos"), (False, "sin"), (True, "cos"),
+                                                                         (True, "sin")))
+    new_even, new_odd = sole_user(x_cos), sole_user(y_cos)
+    forward_form = is_op(new_even, aten.sub) and new_even.args[:2] == (x_cos, y_f) and is_op(new_odd, aten.add) \
+        and set(new_odd.args[:2]) == {x_f, y_cos}
+    backward_form = is_op(new_even, aten.add) and set(new_even.args[:2]) == {x_cos, y_f} \
+        and is_op(new_odd, aten.sub) and new_odd.args[:2] == (y_cos, x_f)
+    if not (forward_form or backward_form):
+        raise NoMatch("the pairs are not rotated as (x cos - y f, x f + y cos) or (x cos + y f, y cos - x f), "
+                      "f the sine factor")
+    if (forward_form == negated) != inverse:  # by -angle exactly where the form and f's sign differ
+        raise NoMatch(f"{what} is rotated by {'+' if inverse else '-'}angle: not the {'inverse' * inverse or 'forward'} "
+                      "RoPE")
     ups = [next(iter(x.users)) if len(x.users) == 1 else None for x in (new_even, new_odd)]
     cat = next(iter(ups[0].users)) if ups[0] is not None and len(ups[0].users) == 1 else None
     if not (is_op(cat, aten.cat) and list(cat.args[0]) == ups and all(is_op(u, aten.unsqueeze) for u in ups)):
@@ -355,7 +364,7 @@ def _rope(o: fx.Node, head_dim: int, inverse: bool = True) -> tuple[fx.Node, fx.
         raise NoMatch("the inverse RoPE is rounded before the join: not where the kernel rounds")
     if not inverse and not dtype(back[-1]) == dtype(kept) == dtype(o):
         raise NoMatch(f"q's rotated tail is joined as {dtype(back[-1])}, not in q's {dtype(o)} (where the kernel rounds it)")
-    nodes = [*slices, pairs, even, odd, *(m for m, _ in products.values()), cos, sin, *([sin.args[0]] if inverse else []),
+    nodes = [*slices, pairs, even, odd, *(m for m, _ in products.values()), cos, sin, *([sin.args[0]] if negated else []),
              new_even, new_odd, *ups, *back, joined]
     if pairs.args[0] is not rotated:
         nodes.append(pairs.args[0])

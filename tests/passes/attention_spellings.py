@@ -58,6 +58,7 @@ CHOICES = {  # field -> its equivalent spellings
     "mask_rows": ("per_sequence", "shared"),  # dense: valid [B, T, S], or [T, S] for every sequence
     "scores": ("einsum", "matmul", "expand"),  # dense "expand": the key head expanded over the heads first
     "scale": ("mul", "div"),
+    "rotation": ("minus_sin", "plus_sin"),  # gathered: (x cos - y (-sin), x (-sin) + y cos) | (x cos + y sin, y cos - x sin)
     "dtype": ("float32", "bfloat16"),
     "upcast": ("inputs", "scores"),  # 16-bit q and keys to fp32 first | the 16-bit GEMM's scores to fp32
     "graph": ("cpu", "cuda"),  # cuda: the GPU's graph forms (tests/passes/cuda_forms.py)
@@ -79,6 +80,7 @@ class Spelling:
     mask_rows: str = "per_sequence"
     scores: str = "einsum"
     scale: str = "mul"
+    rotation: str = "minus_sin"
     dtype: str = "float32"
     upcast: str = "inputs"
     graph: str = "cpu"
@@ -97,6 +99,8 @@ class Spelling:
         if s.layout == "gathered":
             s = dataclasses.replace(s, scores="matmul" if s.scores == "expand" else s.scores,
                                     mask_rows="per_sequence")
+        else:  # the dense layout rotates the rotate-half way
+            s = dataclasses.replace(s, rotation="minus_sin")
         if s.dtype == "float32":
             s = dataclasses.replace(s, upcast="inputs")
         return s
@@ -133,8 +137,8 @@ NEAR_MISSES = {
     "fill_zero": NearMiss("invalid keys get 0, not -inf", "set to 0.0 where a key is dropped"),
     "values_not_keys": NearMiss("the values are the keys negated", "the values are not the keys"),
     "no_inverse_rope": NearMiss("the attention's output without its inverse RoPE", "(no inverse RoPE)"),
-    "rope_plus_sin": NearMiss("the rotation by -angle written (x cos + y sin, y cos - x sin)",
-                              "is not multiplied by the angles' cos or -sin", {"layout": ("gathered",)}, True),
+    "forward_rope": NearMiss("the output's tail rotated by +angle, not back", "rotated by +angle: not the inverse",
+                             {"layout": ("gathered",)}),
     "rope_two_views": NearMiss("cos and sin taken of two views of the angles",
                                "the rotation's cos and sin are not of one angle tensor",
                                {"layout": ("gathered",)}, True),
@@ -290,7 +294,9 @@ class SpelledAttention(nn.Module):
             cos, sin = per_head.cos(), per_head.sin()
             if near == "rope_two_views":
                 sin = angles[:, :, None].sin()
-            if near == "rope_plus_sin":
+            if near == "forward_rope":
+                turned = torch.stack([x * cos - y * sin, x * sin + y * cos], dim=-1)
+            elif self.s.rotation == "plus_sin":
                 turned = torch.stack([x * cos + y * sin, y * cos - x * sin], dim=-1)
             else:
                 sin = -sin

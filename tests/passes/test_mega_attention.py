@@ -216,7 +216,7 @@ def test_an_mxfp8_rounding_with_another_scale_rule_stays_unfused():
     (SoftmaxOverHeads(HEADS, HEAD_DIM), "not over the keys"),
     (ValuesNotKeys(HEADS, HEAD_DIM), "values are not the keys"),
     (RopeOnHead(HEADS, HEAD_DIM), "rotated part [8, 32) is not taken as 12 pairs"),
-    (ForwardRope(HEADS, HEAD_DIM), "not multiplied by the angles' cos or -sin"),
+    (ForwardRope(HEADS, HEAD_DIM), "the attention output is rotated by +angle: not the inverse RoPE"),
 ])
 def test_near_misses_are_not_matched_and_say_why(module, reason):
     args = _inputs(2, 2, torch.float32, seed=3)
