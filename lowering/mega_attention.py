@@ -362,6 +362,7 @@ class LaunchConfig:
 ACC_ELEMENTS = 8192
 KEY_TILE_BYTES = 32 * 1024
 MIN_DOT = 16
+WIDE_ROWS = 64  # from this many rows a program takes twice the heads: fewer key reads, enough programs
 TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM: fewer rows x head blocks than this split the keys
 MAX_SPLITS = 16  # the combine reads splits x heads x head_dim fp32 per row
 
@@ -373,7 +374,8 @@ def choose_config(spec: AttentionSpec, rows: int, n_keys: int, splits: int | Non
     interpreter (device "cpu") runs programs one after the other and reduces element by element:
     there no split, and tiles no larger than the data."""
     if device == "cuda":
-        block_h = max(MIN_DOT, min(_next_pow2(spec.heads), max(MIN_DOT, ACC_ELEMENTS // spec.head_dim)))
+        acc = ACC_ELEMENTS * (2 if rows >= WIDE_ROWS else 1)
+        block_h = max(MIN_DOT, min(_next_pow2(spec.heads), max(MIN_DOT, acc // spec.head_dim)))
         block_j = max(MIN_DOT, min(64, KEY_TILE_BYTES // (spec.head_dim * DTYPES[spec.key_dtype].itemsize)))
     else:  # the interpreter reduces element by element in Python: no padding to the MMA's minimum
         block_h, block_j = min(_next_pow2(spec.heads), 64), MIN_DOT

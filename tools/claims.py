@@ -49,7 +49,8 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 
 # The pages whose numbers are claims. The rest of docs/ and README.md join as they are converted.
-CHECKED = ("README.md", "docs/mega_gate.md", "docs/mega_mhc.md", "docs/mega_attention.md", "docs/measuring.md",
+CHECKED = ("README.md", "docs/mega_gate.md", "docs/mega_mhc.md", "docs/mega_attention.md", "docs/mega_indexer.md",
+           "docs/measuring.md",
            "docs/compiling.md", "docs/model.md", "docs/glossary.md", "docs/spellings.md", "docs/serving.md",
            "docs/tools.md")
 
@@ -79,6 +80,9 @@ RESULTS = {
         "the JSON's stages: the leave-out runs only, no correctness stage"),
     "results/mega_attention/bench.json": Result(
         "python3 -m megafuse.tools.bench_attention", "docs/mega_attention.md, docs/measuring.md"),
+    "results/mega_attention/sweep.json": Result(
+        "python3 -m megafuse.tools.bench_attention --configs 16x32x4x2,32x32x4x2,32x32x8x2,64x32x8x2,64x16x8x2,"
+        "16x64x4x2,16x32x4x3", "docs/mega_attention.md, the launch table"),
     "results/compiled/bench.json": Result("python3 -m megafuse.tools.bench_compiled", "docs/measuring.md"),
     "results/decode/flash-lite-8e.json": Result(
         "python3 -m megafuse.tools.bench_decode --config results/decode/flash-lite-8e.config.json --batches 32 "
@@ -404,6 +408,19 @@ def serve_config(d: dict, name: str) -> dict:
 
 GATE, MHC, SWEEP = "results/mega_gate/bench.json", "results/mega_mhc/bench.json", "results/mega_mhc/sweep.json"
 ATTENTION, COMPILED = "results/mega_attention/bench.json", "results/compiled/bench.json"
+INDEXER = "results/mega_indexer/bench.json"
+ATTENTION_SWEEP = "results/mega_attention/sweep.json"
+
+
+def attention_sweep_rows(d: dict) -> list[list[str]]:
+    """One row per launch tile of the sweep, its CUDA-graph median at each T (a failed build: its error)."""
+    tokens = sorted(int(k.removeprefix("configs_T")) for k in d if k.startswith("configs_T"))
+    rows = {}
+    for T in tokens:
+        for r in d[f"configs_T{T}"]:
+            tile = f"{r['block_h']} x {r['block_j']}, {r['num_warps']} warps, {r['num_stages']} stages"
+            rows.setdefault(tile, []).append(us(r["graph_us"]) if r.get("graph_us") else "failed")
+    return [[tile, *cells] for tile, cells in rows.items()]
 TARGET = "the benchmark's target, recorded in its JSON: a setting, not a measurement"
 
 TABLES = {t.name: t for t in (
@@ -423,6 +440,14 @@ TABLES = {t.name: t for t in (
                                                          "floor_us")]
                      + [f"{r['speedup_vs_compile']:.2f}", f"{r['x_of_practical_floor']:.1f}"] for r in d["results"]],
           derived="x compile = torch.compile / fused; x floor = fused / max(floor, the launch floor)"),
+    Table("attention.sweep", ATTENTION_SWEEP, ("heads x keys a tile", "T = 1", "16", "64", "128", "512", "4096"),
+          attention_sweep_rows, derived="each tile at choose_config's key split, CUDA-graph medians in us"),
+    Table("indexer.bench", INDEXER,
+          ("batch x context", "fused us", "torch.compile us", "eager us", "floor us", "x compile", "x floor"),
+          lambda d: [[f"{d['batch']} x {d['context'] // 1024}K"]
+                     + [us(d["summary"][f]) for f in ("fused_us", "compile_us", "eager_us", "floor_us")]
+                     + [f"{d['summary']['speedup_vs_compile']:.2f}", f"{d['summary']['x_floor']:.1f}"]],
+          derived="x compile = torch.compile / fused; x floor = fused / the floor"),
     Table("compiled.bench", COMPILED,
           ("chain", "T", "fused", "torch.compile", "eager", "floor", "vs compile", "no graph: fused",
            "no graph: compile", "op host cost"),
@@ -494,9 +519,18 @@ CLAIMS = {c.name: c for c in (
           derived=TARGET),
     Claim("attention.target_compile_T64", ATTENTION, lambda d: by_T(d["results"], 64)["target_vs_compile"],
           "{:g}x", derived=TARGET),
-    Claim("attention.target_floor", ATTENTION,
-          lambda d: (by_T(d["results"], 1)["target_x_floor"], by_T(d["results"], 4096)["target_x_floor"]),
-          "{:g}x / {:g}x", derived=TARGET),
+    Claim("attention.target_floor", ATTENTION, lambda d: by_T(d["results"], 512)["target_x_floor"], "{:g}x",
+          derived=TARGET),
+    Claim("attention.vs_compile_from_T64", ATTENTION,
+          lambda d: (min(r["speedup_vs_compile"] for r in d["results"] if r["T"] >= 64),
+                     max(r["speedup_vs_compile"] for r in d["results"] if r["T"] >= 64)), "{:.2f}-{:.2f}x",
+          derived="torch.compile / fused, least and most over T >= 64"),
+
+    # Mega-Indexer (docs/mega_indexer.md)
+    Claim("indexer.differing_rows", INDEXER, lambda d: d["correctness"]["fused"]["differing_rows"], "{}",
+          derived="rows whose fused top-k set differs from the fp64 reference's"),
+    Claim("indexer.target_compile", INDEXER, lambda d: d["targets"]["speedup_vs_compile"], "{:g}x", derived=TARGET),
+    Claim("indexer.target_floor", INDEXER, lambda d: d["targets"]["x_floor"], "{:g}x", derived=TARGET),
     Claim("attention.x_floor_from_T128", ATTENTION,
           lambda d: (min(r["x_of_practical_floor"] for r in d["results"] if r["T"] >= 128),
                      max(r["x_of_practical_floor"] for r in d["results"] if r["T"] >= 128)), "{:.1f}-{:.1f}x",
