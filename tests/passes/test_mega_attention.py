@@ -351,7 +351,7 @@ def test_hf_a_finite_bias_in_the_mask_stays_unfused_and_says_why():
 def test_hf_deepseek_v4_fires_at_every_attention_layer_compressed_ones_included():
     pytest.importorskip("transformers")
     from tests.passes.test_mega_gate_models import _hf_model
-    model = _hf_model(compress_ratios=(0, 4, 128, 4))
+    model = _hf_model(sharp_routers=True, compress_ratios=(0, 4, 128, 4))
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     layers = model.config.num_hidden_layers
     with torch.no_grad():
@@ -367,7 +367,7 @@ def test_hf_deepseek_v4_fires_at_every_attention_layer_compressed_ones_included(
 
         # bf16: HF rounds the scores and the probabilities to bf16 where the op keeps fp32, so the
         # fused logits stand as close to the fp32 model's as the unfused compile's do
-        model_bf16 = _hf_model(compress_ratios=(0, 4, 128, 4)).to(torch.bfloat16)
+        model_bf16 = _hf_model(sharp_routers=True, compress_ratios=(0, 4, 128, 4)).to(torch.bfloat16)
         torch._dynamo.reset()
         fused = fuse(model_bf16, ["mega_attention"], fullgraph=True)
         got = fused(ids, use_cache=False).logits.float()
