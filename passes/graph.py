@@ -106,8 +106,10 @@ def zero_or_below(node, floor: float) -> bool:
     converts of such values (a mask built elsewhere, a graph input, proves nothing)."""
     if not isinstance(node, fx.Node):
         return scalar(node) is not None and (scalar(node) == 0 or scalar(node) <= floor)
-    if is_op(node, aten.full):
+    if is_op(node, aten.full):  # full(size, value)
         return zero_or_below(node.args[1], floor)
+    if is_op(node, aten.scalar_tensor):
+        return zero_or_below(node.args[0], floor)
     if is_op(node, aten.zeros):
         return True
     if is_op(node, aten.where):
