@@ -342,6 +342,24 @@ def validate(q, keys, valid, sink, angles, spec: AttentionSpec) -> None:
         if t.dtype != DTYPES[spec.key_dtype]:
             raise ValueError(f"mega_attention: {name} dtype {t.dtype} does not match spec key_dtype {spec.key_dtype}")
     require_one_device("mega_attention", q, keys, valid, sink, angles)
+    if q.device.type == "cuda":
+        reason = unverified_on_gpu(keys, spec)
+        if reason:
+            raise ValueError(f"mega_attention: {reason}")
+
+
+def unverified_on_gpu(keys: torch.Tensor, spec: AttentionSpec) -> str | None:
+    """Why the GPU build must not take these launches, or None. The one GPU run of keys shared by
+    the rows (stride 0: the dense layout, HF's) at head_dim 32 gave wrong values on every call while
+    the interpreter runs the same launch right (docs/mega_attention.md, "On the GPU, unverified"):
+    both stay off the GPU until a GPU run tells which of the two the build gets wrong."""
+    if keys.shape[0] > 1 and keys.stride(0) == 0:
+        return ("keys shared by the rows (the dense layout) gave wrong values on an H100 (Triton 3.6); "
+                "unfused on the GPU until a GPU run clears them")
+    if spec.head_dim < 64:
+        return (f"head_dim {spec.head_dim} < 64 gave wrong values on an H100 (Triton 3.6) with shared keys; "
+                "unfused on the GPU until a GPU run clears it")
+    return None
 
 
 @dataclass(frozen=True)
@@ -374,8 +392,7 @@ def choose_config(spec: AttentionSpec, rows: int, n_keys: int, splits: int | Non
     interpreter (device "cpu") runs programs one after the other and reduces element by element:
     there no split, and tiles no larger than the data."""
     if device == "cuda":
-        acc = ACC_ELEMENTS * (2 if rows >= WIDE_ROWS else 1)
-        block_h = max(MIN_DOT, min(_next_pow2(spec.heads), max(MIN_DOT, acc // spec.head_dim)))
+        block_h = max(MIN_DOT, min(_next_pow2(spec.heads), max(MIN_DOT, ACC_ELEMENTS // spec.head_dim)))
         block_j = max(MIN_DOT, min(64, KEY_TILE_BYTES // (spec.head_dim * DTYPES[spec.key_dtype].itemsize)))
     else:  # the interpreter reduces element by element in Python: no padding to the MMA's minimum
         block_h, block_j = min(_next_pow2(spec.heads), 64), MIN_DOT
@@ -388,6 +405,8 @@ def choose_config(spec: AttentionSpec, rows: int, n_keys: int, splits: int | Non
     elif splits < 1:
         raise ValueError(f"mega_attention: splits must be >= 1, got {splits}")
     keys_per_split = -(-tiles // min(splits, tiles)) * block_j
+    if device == "cuda" and rows >= WIDE_ROWS:  # twice the heads at the narrow tile's split (as swept)
+        block_h = min(2 * block_h, max(block_h, _next_pow2(spec.heads)))
     return LaunchConfig(block_h, block_j, max(1, -(-n_keys // keys_per_split)), keys_per_split)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from megafuse.lowering import kernel_cache
 from megafuse.lowering.mega_attention import (AttentionSpec, choose_config, generate_source, mega_attention, reference,
-                                              unsupported_reason)
+                                              unsupported_reason, unverified_on_gpu, validate)
 from megafuse.model import quant
 from megafuse.model.rope import apply_rope
 from tests.marks import slow_beyond
@@ -122,13 +122,18 @@ def test_split_keys_merge_to_the_unsplit_result(dtype):
 
 def test_the_launch_fits_hopper_at_v4_widths():
     """64 heads x 512 (bf16): 16 heads a program (a 64-register accumulator), 32-key tiles of 32 KB;
-    decode rows split the keys until rows x head blocks x splits fills the GPU twice over."""
+    decode rows split the keys until rows x head blocks x splits fills the GPU twice over; from 64
+    rows 32 heads a program at the 16-head tile's split (the sweep's fastest)."""
     spec = AttentionSpec(heads=64, head_dim=512, rope_dim=64, scale=512 ** -0.5, key_dtype="bfloat16",
                          out_dtype="bfloat16", mxfp8=True)
     one = choose_config(spec, rows=1, n_keys=640)
     assert (one.block_h, one.block_j, one.splits, one.keys_per_split) == (16, 32, 10, 64)
-    assert choose_config(spec, rows=64, n_keys=640).splits == 2
-    assert choose_config(spec, rows=4096, n_keys=640).splits == 1
+    sixty_four = choose_config(spec, rows=64, n_keys=640)
+    assert (sixty_four.block_h, sixty_four.splits, sixty_four.keys_per_split) == (32, 2, 320)
+    assert (choose_config(spec, rows=63, n_keys=640).block_h, choose_config(spec, rows=4096, n_keys=640).splits) == (16, 1)
+    few_heads = AttentionSpec(heads=4, head_dim=64, rope_dim=16, scale=0.125, key_dtype="float32", out_dtype="float32",
+                              mxfp8=False)
+    assert choose_config(few_heads, rows=128, n_keys=64).block_h == 16  # never past the heads' own power of two
     with pytest.raises(ValueError, match="splits must be >= 1"):
         choose_config(spec, 1, 640, splits=0)
 
@@ -178,3 +183,25 @@ def test_unsupported_specs_and_bad_inputs_are_named():
         mega_attention(q.bfloat16(), keys.bfloat16(), valid, sink, angles, good)
     with pytest.raises(ValueError, match=r"keys must be \[3, J, 64\]"):
         mega_attention(q, keys[:2], valid[:2], sink, angles, good)
+
+
+def test_launches_a_gpu_run_got_wrong_stay_off_the_gpu_with_the_reason():
+    # fake CUDA tensors: the pass asks with them at compile time, before any launch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    small = AttentionSpec(heads=2, head_dim=32, rope_dim=16, scale=32 ** -0.5, key_dtype="bfloat16",
+                          out_dtype="bfloat16", mxfp8=False)
+    wide = AttentionSpec(heads=64, head_dim=512, rope_dim=64, scale=512 ** -0.5, key_dtype="bfloat16",
+                         out_dtype="bfloat16", mxfp8=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        def inputs(spec, rows, n_keys, shared):
+            keys = torch.empty(1 if shared else rows, n_keys, spec.head_dim, device="cuda", dtype=torch.bfloat16)
+            return (torch.empty(rows, spec.heads, spec.head_dim, device="cuda", dtype=torch.bfloat16),
+                    keys.expand(rows, -1, -1), torch.empty(rows, n_keys, device="cuda", dtype=torch.bool),
+                    torch.empty(spec.heads, device="cuda"), torch.empty(rows, spec.rope_dim // 2, device="cuda"))
+        with pytest.raises(ValueError, match="keys shared by the rows"):
+            validate(*inputs(wide, 8, 64, shared=True), wide)
+        with pytest.raises(ValueError, match="head_dim 32 < 64"):
+            validate(*inputs(small, 8, 64, shared=False), small)
+        validate(*inputs(wide, 8, 64, shared=False), wide)  # the benchmark's launch
+        validate(*inputs(wide, 1, 64, shared=True), wide)  # one row shares nothing
+    assert unverified_on_gpu(torch.empty(4, 64, 512), wide) is None
