@@ -2,7 +2,7 @@
 
     python3 -m megafuse.tools.bench_indexer [--batch 32] [--context 32768] [--config flash-lite] [--ratio R]
                                             [--out PATH]
-    TRITON_INTERPRET=1 python3 -m megafuse.tools.bench_indexer --dry-run     # CPU
+    python3 -m megafuse.tools.bench_indexer --dry-run     # CPU, the Triton interpreter
 
 The chain is the indexer part of the runtime's decode step (`model.attention.Attention.step`, a full
 layer without a candidate mask), written with the model's own functions (`IndexerStep`): each of
@@ -35,16 +35,13 @@ Stages (each one saves the JSON; a failing stage is logged and the rest run):
 
 `--dry-run`: CPU, the Triton interpreter, toy sizes (batch 3, 64 tokens on pages of 8 entries, the
 tiny preset's 4 heads x 32 and top-6 at the config's quant and dtype), stages 1-3 only; its JSON
-goes to a temp file unless --out names one. It needs TRITON_INTERPRET=1 in the environment: the
-Mega-Indexer's selection kernel scans with Triton's own `_sum_combine`, which the interpreter calls
-only where Triton itself was imported under it. Schema "megafuse.bench_indexer/1" (docs/tools.md).
+goes to a temp file unless --out names one. Schema "megafuse.bench_indexer/1" (docs/tools.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import sys
 import time
 
@@ -324,9 +321,6 @@ def main(argv=None) -> int:
                  f"top-{cfg.index_topk}")
     out_path = args.out or default_out("mega_indexer", args.dry_run)
     log = open_log(out_path)
-    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
-        log("note: TRITON_INTERPRET is not 1, and the fused op's selection kernel runs in the interpreter only "
-            "where Triton was imported under it (see the module doc)")
 
     import triton
     device = torch.device("cpu" if args.dry_run else "cuda")
