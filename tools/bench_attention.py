@@ -51,7 +51,7 @@ from torch import nn
 
 from megafuse import passes
 from megafuse.lowering import mega_attention as ma
-from megafuse.tools.bench_common import BF16_FLOPS, Stages, default_out, open_log, peak_hbm_bytes_per_s, require_cuda, \
+from megafuse.tools.bench_common import BF16_FLOPS, Stages, default_out, open_log, hbm_rate_or_reason, require_cuda, \
     time_graph_us
 from megafuse.tools.common import positive_ints
 
@@ -358,13 +358,7 @@ def table(rows: list) -> list[str]:
 def hbm_floor(device_name: str | None) -> dict:
     """The JSON's `floor`: the device's peak HBM bandwidth (bench_common.HBM_PEAK_BYTES_PER_S), or null
     with the reason (the dry run, a device not listed)."""
-    if device_name is None:
-        rate, note = None, "a dry run on the CPU: no timings, no floor"
-    else:
-        try:
-            rate, note = peak_hbm_bytes_per_s(device_name), None
-        except ValueError as e:
-            rate, note = None, str(e)
+    rate, note = hbm_rate_or_reason(device_name, "a dry run on the CPU: no timings, no floor")
     return {"method": "max(bytes / peak HBM bandwidth, FLOPs / bf16 MMA rate); practical: max(floor, launch floor)",
             "device": device_name or "cpu", "hbm_peak_bytes_per_s": rate, "bf16_flops": BF16_FLOPS,
             "launch_floor_us": LAUNCH_FLOOR_US, "note": note}

@@ -34,6 +34,17 @@ def peak_hbm_bytes_per_s(device_name: str) -> float:
                      "megafuse.tools.bench_common.HBM_PEAK_BYTES_PER_S")
 
 
+def hbm_rate_or_reason(device_name: str | None, dry_run_note: str) -> tuple[float | None, str | None]:
+    """(the peak HBM bandwidth, None), or (None, why there is none): `dry_run_note` for the CPU's dry
+    run (`device_name` None), peak_hbm_bytes_per_s's error for a device not listed."""
+    if device_name is None:
+        return None, dry_run_note
+    try:
+        return peak_hbm_bytes_per_s(device_name), None
+    except ValueError as e:
+        return None, str(e)
+
+
 def require_cuda(parser, dry_run: bool) -> None:
     """A usage error (exit 2) when a GPU run is asked for where there is no CUDA device."""
     if not dry_run and not torch.cuda.is_available():

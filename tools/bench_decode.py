@@ -53,7 +53,7 @@ import torch
 from megafuse.model import CacheLayout, build_model, resolve_config
 from megafuse.model.stats import decode_read_bytes
 from megafuse.runtime.graphs import CompiledStep
-from megafuse.tools.bench_common import (Stages, default_out, peak_hbm_bytes_per_s, require_cuda, step_wall_time,
+from megafuse.tools.bench_common import (Stages, default_out, hbm_rate_or_reason, require_cuda, step_wall_time,
                                          synthetic_decode_batch)
 from megafuse.tools.common import add_pass_arguments, count_kernels, positive_ints, selected_passes
 from megafuse.tools.output import environment
@@ -190,13 +190,8 @@ def decode_floor(cfg, batches, context: int, device_name: str | None) -> dict:
     """The JSON's `floor`: per batch size the bytes a decode step must read (model.stats.decode_read_bytes)
     and, where the device's peak HBM bandwidth is known, the time they take at it. `device_name`
     None: the CPU's dry run, bytes only."""
-    if device_name is None:
-        rate, note = None, "a dry run on the CPU: the bytes a decode step must read, no floor (no HBM to divide by)"
-    else:
-        try:
-            rate, note = peak_hbm_bytes_per_s(device_name), None
-        except ValueError as e:
-            rate, note = None, str(e)
+    rate, note = hbm_rate_or_reason(
+        device_name, "a dry run on the CPU: the bytes a decode step must read, no floor (no HBM to divide by)")
     meta = build_model(cfg, device="meta")
     by_batch = {}
     for B in batches:

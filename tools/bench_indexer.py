@@ -53,7 +53,7 @@ from megafuse.model import ConfigError, preset, resolve_config
 from megafuse.model.attention import NEG_INF, index_scores, select_topk, visible_entries
 from megafuse.model.cache import DEFAULT_PAGE_SIZE, RowCodec, row_codec
 from megafuse.model.quant import fake_quant_index_mxfp4
-from megafuse.tools.bench_common import Stages, default_out, open_log, peak_hbm_bytes_per_s, require_cuda, \
+from megafuse.tools.bench_common import Stages, default_out, open_log, hbm_rate_or_reason, require_cuda, \
     time_eager_us, time_graph_us
 from megafuse.tools.common import in_range
 
@@ -187,17 +187,9 @@ def floor_bytes(batch: int, entries: int, row_bytes: int, heads: int, head_dim: 
 def floor(res: dict, device_name: str | None) -> dict:
     nbytes = floor_bytes(res["batch"], res["entries"], res["row_bytes"], res["heads"], res["head_dim"],
                          getattr(torch, res["dtype"]).itemsize, res["topk"])
-    out = {"bytes": nbytes, "hbm_peak_bytes_per_s": None, "floor_us": None, "note": None}
-    if device_name is None:
-        out["note"] = "dry run on the CPU: no device bandwidth"
-        return out
-    try:
-        out["hbm_peak_bytes_per_s"] = peak_hbm_bytes_per_s(device_name)
-    except ValueError as e:
-        out["note"] = str(e)
-        return out
-    out["floor_us"] = nbytes["total"] / out["hbm_peak_bytes_per_s"] * 1e6
-    return out
+    rate, note = hbm_rate_or_reason(device_name, "dry run on the CPU: no device bandwidth")
+    return {"bytes": nbytes, "hbm_peak_bytes_per_s": rate,
+            "floor_us": nbytes["total"] / rate * 1e6 if rate else None, "note": note}
 
 
 # ---- the stages ---------------------------------------------------------------------------------------
