@@ -342,24 +342,6 @@ def validate(q, keys, valid, sink, angles, spec: AttentionSpec) -> None:
         if t.dtype != DTYPES[spec.key_dtype]:
             raise ValueError(f"mega_attention: {name} dtype {t.dtype} does not match spec key_dtype {spec.key_dtype}")
     require_one_device("mega_attention", q, keys, valid, sink, angles)
-    if q.device.type == "cuda":
-        reason = unverified_on_gpu(keys, spec)
-        if reason:
-            raise ValueError(f"mega_attention: {reason}")
-
-
-def unverified_on_gpu(keys: torch.Tensor, spec: AttentionSpec) -> str | None:
-    """Why the GPU build must not take these launches, or None. The one GPU run of keys shared by
-    the rows (stride 0: the dense layout, HF's) at head_dim 32 gave wrong values on every call while
-    the interpreter runs the same launch right (docs/mega_attention.md, "On the GPU, unverified"):
-    both stay off the GPU until a GPU run tells which of the two the build gets wrong."""
-    if keys.shape[0] > 1 and keys.stride(0) == 0:
-        return ("keys shared by the rows (the dense layout) gave wrong values on an H100 (Triton 3.6); "
-                "unfused on the GPU until a GPU run clears them")
-    if spec.head_dim < 64:
-        return (f"head_dim {spec.head_dim} < 64 gave wrong values on an H100 (Triton 3.6) with shared keys; "
-                "unfused on the GPU until a GPU run clears it")
-    return None
 
 
 @dataclass(frozen=True)
@@ -422,6 +404,7 @@ def mega_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sin
     if R == 0:
         return out
     config = config or choose_config(spec, R, J, device=q.device.type)
+    angles = angles.contiguous()  # the kernel steps the angles' rows only (a rotary table may arrive transposed)
     cos, sin = angles.cos(), angles.sin()
     q, keys, valid = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, valid))
     sink = sink.contiguous()

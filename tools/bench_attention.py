@@ -51,8 +51,8 @@ from torch import nn
 
 from megafuse import passes
 from megafuse.lowering import mega_attention as ma
-from megafuse.tools.bench_common import BF16_FLOPS, Stages, default_out, open_log, hbm_rate_or_reason, require_cuda, \
-    time_graph_us
+from megafuse.tools.bench_common import BF16_FLOPS, Stages, command_line, default_out, hbm_rate_or_reason, open_log, \
+    require_cuda, time_graph_us
 from megafuse.tools.common import positive_ints
 
 V4 = ma.AttentionSpec(heads=64, head_dim=512, rope_dim=64, scale=512 ** -0.5, key_dtype="bfloat16",
@@ -385,7 +385,7 @@ def main(argv=None) -> int:
     floor = hbm_floor(device_name)
     res = {"schema": "megafuse.bench_attention/2",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "device": device_name or "cpu (dry run)",
+           "device": device_name or "cpu (dry run)", "command": command_line(ap, argv),
            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
            "spec": spec.describe(), "keys_per_row": n_keys, "tokens": list(tokens), "floor": floor,
            "launch_floor_us": LAUNCH_FLOOR_US, "targets": TARGETS,

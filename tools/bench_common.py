@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -50,6 +51,11 @@ def require_cuda(parser, dry_run: bool) -> None:
     if not dry_run and not torch.cuda.is_available():
         parser.error("this benchmark times CUDA launches and this machine has no CUDA device; "
                      "--dry-run runs its correctness part on CPU through the Triton interpreter")
+
+
+def command_line(parser, argv: list[str] | None) -> str:
+    """The command as run (the parser's prog and its arguments), for the result's JSON."""
+    return " ".join([parser.prog, *(sys.argv[1:] if argv is None else argv)])
 
 
 def default_out(folder: str, dry_run: bool) -> str:

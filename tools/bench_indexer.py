@@ -53,7 +53,7 @@ from megafuse.model import ConfigError, preset, resolve_config
 from megafuse.model.attention import NEG_INF, index_scores, select_topk, visible_entries
 from megafuse.model.cache import DEFAULT_PAGE_SIZE, RowCodec, row_codec
 from megafuse.model.quant import fake_quant_index_mxfp4
-from megafuse.tools.bench_common import Stages, default_out, open_log, hbm_rate_or_reason, require_cuda, \
+from megafuse.tools.bench_common import Stages, command_line, default_out, open_log, hbm_rate_or_reason, require_cuda, \
     time_eager_us, time_graph_us
 from megafuse.tools.common import in_range
 
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
     res = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-           "command": " ".join([ap.prog, *(sys.argv[1:] if argv is None else argv)]), "dry_run": args.dry_run,
+           "command": command_line(ap, argv), "dry_run": args.dry_run,
            "config": cfg.name, "quant": cfg.quant, "dtype": cfg.dtype, "key_format": codec.name,
            "batch": batch, "context": context, "ratio": ratio, "page_size": page_size,
            "per_page": page_size // ratio, "pages_per_request": -(-context // page_size),

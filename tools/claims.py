@@ -79,6 +79,9 @@ RESULTS = {
         "python3 -m megafuse.tools.bench_mhc --leave-out --skip-correctness",
         "the JSON's stages: the leave-out runs only, no correctness stage"),
     "results/mega_attention/bench.json": Result(
+        "python3 -m megafuse.tools.bench_attention --out attention.json",
+        "the run's job; this JSON predates the benchmark's command field"),
+    "results/mega_attention/sweep.json": Result(
         "python3 -m megafuse.tools.bench_attention --configs 16x32x4x2,32x32x4x2,32x32x8x2,64x32x8x2,64x16x8x2,"
         "16x64x4x2,16x32x4x3", "docs/mega_attention.md (the JSON's configs_T stages)"),
     "results/compiled/bench.json": Result("python3 -m megafuse.tools.bench_compiled", "docs/measuring.md"),
@@ -406,6 +409,7 @@ def serve_config(d: dict, name: str) -> dict:
 
 GATE, MHC, SWEEP = "results/mega_gate/bench.json", "results/mega_mhc/bench.json", "results/mega_mhc/sweep.json"
 ATTENTION, COMPILED = "results/mega_attention/bench.json", "results/compiled/bench.json"
+ATTENTION_SWEEP = "results/mega_attention/sweep.json"
 INDEXER = "results/mega_indexer/bench.json"
 
 
@@ -437,7 +441,7 @@ TABLES = {t.name: t for t in (
                                                          "floor_us")]
                      + [f"{r['speedup_vs_compile']:.2f}", f"{r['x_of_practical_floor']:.1f}"] for r in d["results"]],
           derived="x compile = torch.compile / fused; x floor = fused / max(floor, the launch floor)"),
-    Table("attention.sweep", ATTENTION, ("heads x keys a tile", "T = 1", "16", "64", "128", "512", "4096"),
+    Table("attention.sweep", ATTENTION_SWEEP, ("heads x keys a tile", "T = 1", "16", "64", "128", "512", "4096"),
           attention_sweep_rows, derived="each tile at choose_config's key split, CUDA-graph medians in us"),
     Table("indexer.bench", INDEXER,
           ("batch x context", "fused us", "torch.compile us", "eager us", "floor us", "x compile", "x floor"),

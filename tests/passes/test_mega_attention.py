@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch._inductor import config as inductor_config
 
+from megafuse import passes
 from megafuse.lowering import kernel_cache
 from megafuse.model import build_model
 from tests.passes.attention_clients import (AttentionChain, AttentionChainMxfp8, FloorScaleMxfp8, ForwardRope,
@@ -378,3 +379,25 @@ def test_hf_deepseek_v4_fires_at_every_attention_layer_compressed_ones_included(
     for norm in (lambda d: d.abs().max(), lambda d: d.pow(2).mean().sqrt()):
         assert norm(got - fp32) <= 1.5 * norm(plain - fp32), (norm(got - fp32), norm(plain - fp32))
     assert (plain - fp32).abs().max() <= 0.1  # bf16's own distance from fp32, for scale
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hf_deepseek_v4_in_bf16_on_the_gpu_fuses_every_layer_within_bf16_rounding():
+    """The acceptance on the GPU, through passes.compile and the CUDA kernel: HF's model in bf16
+    fuses attention at all 4 layers (CSA and HCA included), and its logits stand as close to the
+    fp32 model's as the unfused compile's."""
+    pytest.importorskip("transformers")
+    from tests.passes.test_mega_gate_models import _hf_model
+    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        fp32 = _hf_model(sharp_routers=True, compress_ratios=(0, 4, 128, 4)).cuda()(ids, use_cache=False).logits
+        model = _hf_model(sharp_routers=True, compress_ratios=(0, 4, 128, 4)).to(torch.bfloat16).cuda()
+        torch._dynamo.reset()
+        fused = passes.compile(model, ["mega_attention"], fullgraph=True)
+        got = fused(ids, use_cache=False).logits.float()
+        assert fused.report.counts() == {"mega_attention": 4}, fused.report.rejections("mega_attention")
+        torch._dynamo.reset()
+        plain = passes.compile(model, "none", fullgraph=True)(ids, use_cache=False).logits.float()
+    for norm in (lambda d: d.abs().max(), lambda d: d.pow(2).mean().sqrt()):
+        assert norm(got - fp32) <= 1.5 * norm(plain - fp32), (norm(got - fp32), norm(plain - fp32))
