@@ -34,7 +34,7 @@ them): the op returns them beside the top-k, and those readers read the op's.
 
 Not fused (the reason in the report): keys that are not decoded from cache bytes (the prefill's
 keys, a foreign model's float keys), other byte formats, other intermediates used outside the chain,
-a top-k spelled otherwise.
+a top-k spelled otherwise; a `torch.topk` over ReLU-weighted scores (HF's indexer) is named as such.
 """
 
 from __future__ import annotations
@@ -152,6 +152,21 @@ def _from_a_product(scores: fx.Node) -> bool:
         if _is_neg_inf_mask(scores):
             scores = scores.args[2]
     return is_op(under_slices(walk(scores)[-1])[0], aten.bmm)
+
+
+def _relu_scores(scores: fx.Node, depth: int = 6) -> bool:
+    """scores, under -inf masks, weigh and sum a ReLU within `depth` ops: a lightning indexer's."""
+    while _is_neg_inf_mask(scores):
+        scores = scores.args[2]
+    frontier = [scores]
+    for _ in range(depth):
+        if any(is_op(n, aten.relu) for n in frontier):
+            return True
+        frontier = [a for n in frontier for a in n.all_input_nodes if is_op(a, aten.relu, aten.mul, aten.sum, aten.bmm,
+                                                                             aten.mm, aten.view, aten.expand, aten.permute,
+                                                                             aten.unsqueeze, aten.clone)
+                    or is_convert(a)]
+    return False
 
 
 def _allowed(mask: fx.Node, shape: list, chain: list) -> fx.Node:
@@ -363,10 +378,15 @@ class MegaIndexerPass(FusionPass):
     run_order = 50
 
     def anchors(self, graph: fx.Graph):
-        return [n for n in graph.nodes if is_op(n, aten.sort) and _kw(n, 2, "descending", False)
+        return [n for n in graph.nodes if is_op(n, aten.topk) or is_op(n, aten.sort) and _kw(n, 2, "descending", False)
                 and n.kwargs.get("stable", n.args[1] if len(n.args) > 1 and isinstance(n.args[1], bool) else False)]
 
     def match(self, sort: fx.Node) -> Candidate:
+        if is_op(sort, aten.topk):  # an indexer's top-k spelled as torch.topk (HF's) is named, a gate's is not
+            if not _relu_scores(sort.args[0]):
+                raise NoMatch("the top-k reads no indexer's scores (no ReLU under them)", candidate=False)
+            raise NoMatch("the top-k is torch.topk (ties in no set order, descending), not select_topk's stable "
+                          "sort; such an indexer also computes its keys in the forward, not from the cache's bytes")
         chain: list[fx.Node] = []
         # 1. The top-k and the scores it reads: masked by the visibility, and maybe by an allowed mask.
         masked, K, out = _selection(sort, chain)

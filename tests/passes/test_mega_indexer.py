@@ -193,3 +193,28 @@ def test_a_top_k_whose_empty_slots_are_not_minus_one_is_read_up_to_its_own_end()
     args = _inputs(cfg)
     fused = fuse(step, ["mega_indexer"], fullgraph=True)
     assert torch.equal(fused(*args), step(*args)) and fused.report.counts() == {"mega_indexer": 1}
+
+
+def test_hfs_indexer_stays_unfused_and_the_report_names_its_topk_and_keys():
+    """HF transformers' DeepseekV4 indexer (a prefill: keys compressed in the forward, torch.topk):
+    one rejection that names both, and the model's MoE gate top-k in the same graph is no candidate."""
+    hf = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+    from tests.passes.test_mega_gate_models import _hf_model
+    model = _hf_model(compress_ratios=(4, 0, 0, 0))
+    attention = model.model.layers[0].self_attn
+    indexer = next(m for m in attention.modules() if isinstance(m, v4.DeepseekV4Indexer))
+    g = torch.Generator().manual_seed(0)
+    hidden, q_residual = torch.randn(1, 24, 64, generator=g), torch.randn(1, 24, 32, generator=g)
+    positions = torch.arange(24)[None]
+    fused = fuse(lambda h, r, p: indexer(h, r, p, None, 0), ["mega_indexer"], fullgraph=True)
+    with torch.no_grad():
+        got, want = fused(hidden, q_residual, positions), indexer(hidden, q_residual, positions, None, 0)
+    assert fused.report.counts() == {"mega_indexer": 0}
+    reasons = [r.reason for r in fused.report.rejections("mega_indexer")]
+    assert len(reasons) == 1 and "torch.topk" in reasons[0] and "cache's bytes" in reasons[0], reasons
+    assert torch.equal(got, want)
+    gate = fuse(model.model.layers[3].mlp, ["mega_indexer"], fullgraph=True)  # a top-k router, not a hash one
+    with torch.no_grad():
+        gate(torch.randn(1, 5, 64, generator=g))
+    assert gate.report.rejections("mega_indexer") == []
