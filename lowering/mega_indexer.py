@@ -22,10 +22,11 @@ Kernels (one generated module, two launches in stream order)
    exists), takes the H x BLOCK_N logits in one `tl.dot`, then ReLU, the head weights, the sum over
    heads and the visibility mask in registers, and stores the scores [R, N] fp32.
 2. `_select_kernel`, grid (R / BLOCK_R,): the top-K without a sort. Each score maps to an unsigned
-   key that orders as the float does; a radix search over the 32 key bits, MSB first, finds each
-   row's K-th largest key t (count(key >= t) >= K > count(key > t)), raised to -FLT_MAX's key so that
-   -inf is never chosen; one sweep in entry order then writes the entries above t and the
-   lowest-entry ones equal to it, which comes out ascending, and pads with -1.
+   key that orders as the float does; a radix search, a byte a pass from the top (four sweeps, each
+   a 256-bin histogram of the keys that agree with the bytes already fixed), finds each row's K-th
+   largest key t and how many of the keys equal to it are wanted; a row whose K-th largest is
+   -inf takes every score above -inf. One sweep in entry order then writes the entries above t and
+   the lowest-entry ones equal to it, which comes out ascending, and pads with -1.
 
 Numerics: bf16 queries against keys of bf16 values (MXFP4, or raw bf16) dot exactly in bf16 with
 fp32 accumulation; otherwise the dot runs in tf32x3 (each operand split in two tf32 parts: exact
@@ -57,7 +58,8 @@ MXFP4_BLOCK = 32
 # the pool rows' formats (model/cache.py row_codec): MXFP4 (quant "ref"), or raw fp32 / bf16 bits (quant "none")
 KEY_FORMATS = {"index_mxfp4": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 KERNEL_NAME = "mega_indexer_kernel"
-KERNEL_NAMES = (KERNEL_NAME, "_select_kernel")
+SELECT_NAME = "_select_kernel"
+KERNEL_NAMES = (KERNEL_NAME, SELECT_NAME)
 
 
 @dataclass(frozen=True)
@@ -185,26 +187,29 @@ $DOT_LINES
 
 @triton.jit
 def _order_key(scores):
-    \"\"\"uint32 keys that order as the fp32 scores do: the sign bit flipped for +, every bit for -.\"\"\"
-    bits = scores.to(tl.uint32, bitcast=True)
+    """uint32 keys that order as the fp32 scores do: the sign bit flipped for +, every bit for -;
+    -0.0 keyed as +0.0 (they tie, as in the chain's sort)."""
+    bits = tl.where(scores == 0.0, 0.0, scores).to(tl.uint32, bitcast=True)
     return bits ^ tl.where((bits >> 31) != 0, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
 
 
 @triton.jit
-def _count(scores_ptr, rows, rows_ok, N, threshold, STRICT: tl.constexpr, BLOCK_R: tl.constexpr,
-           BLOCK: tl.constexpr):
-    """Per row: how many of its keys lie above `threshold` [BLOCK_R] (STRICT) or at or above it."""
-    count = tl.full([BLOCK_R], 0, tl.int32)
+def _digit_counts(scores_ptr, rows, rows_ok, N, prefix, SHIFT: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """[BLOCK_R, 256]: per row, how many of its keys agree with `prefix` [BLOCK_R] above bit SHIFT + 8
+    and hold each 8-bit digit at SHIFT (one histogram over the block's rows, a row's bins apart)."""
+    counts = tl.full([BLOCK_R * 256], 0, tl.int32)
+    bins_of_row = tl.arange(0, BLOCK_R)[:, None] * 256
     for start in range(0, N, BLOCK):
         n = start + tl.arange(0, BLOCK)
         ok = rows_ok[:, None] & (n < N)[None, :]
         key = _order_key(tl.load(scores_ptr + rows[:, None] * N + n[None, :], mask=ok, other=float("-inf")))
-        if STRICT:
-            hit = key > threshold[:, None]
-        else:
-            hit = key >= threshold[:, None]
-        count += tl.reduce((hit & ok).to(tl.int32), 1, tl.standard._sum_combine)
-    return count
+        if SHIFT < 24:
+            ok = ok & ((key >> (SHIFT + 8)) == (prefix[:, None] >> (SHIFT + 8)))
+        digit = ((key >> SHIFT) & 0xFF).to(tl.int32) + bins_of_row
+        counts += tl.histogram(tl.reshape(digit, [BLOCK_R * BLOCK]), BLOCK_R * 256,
+                               mask=tl.reshape(ok, [BLOCK_R * BLOCK]))
+    return tl.reshape(counts, [BLOCK_R, 256])
 
 
 @triton.jit
@@ -212,14 +217,22 @@ def _select_kernel(scores_ptr, out_ptr, R, N, BLOCK_R: tl.constexpr, BLOCK: tl.c
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rows_ok = rows < R
     rows = rows.to(tl.int64)
-    prefix = tl.full([BLOCK_R], 0, tl.uint32)  # each row's K-th largest key, bit by bit from the top
-    for i in range(32):
-        candidate = prefix | (tl.full([BLOCK_R], 1, tl.uint32) << (31 - i))
-        enough = _count(scores_ptr, rows, rows_ok, N, candidate, False, BLOCK_R, BLOCK) >= K
-        prefix = tl.where(enough, candidate, prefix)
-    # a row with fewer than K scores above -inf takes them all: -inf (not visible) is never chosen
-    threshold = tl.maximum(prefix, tl.full([BLOCK_R], 0x00800000, tl.uint32))  # the key of -FLT_MAX
-    need = K - _count(scores_ptr, rows, rows_ok, N, threshold, True, BLOCK_R, BLOCK)  # of those equal to it
+    # each row's K-th largest key, a byte a pass from the top: the largest digit d whose keys at or
+    # above it still hold the `need` keys wanted below the bytes already fixed
+    prefix = tl.full([BLOCK_R], 0, tl.uint32)
+    need = tl.full([BLOCK_R], K, tl.int32)
+    digits = tl.arange(0, 256)[None, :]
+    for level in tl.static_range(4):
+        counts = _digit_counts(scores_ptr, rows, rows_ok, N, prefix, 24 - 8 * level, BLOCK_R, BLOCK)
+        at_or_above = tl.reduce(counts, 1, tl.standard._sum_combine)[:, None] \
+            - tl.associative_scan(counts, 1, tl.standard._sum_combine) + counts
+        digit = tl.maximum(tl.reduce((at_or_above >= need[:, None]).to(tl.int32), 1, tl.standard._sum_combine) - 1, 0)
+        need -= tl.reduce(tl.where(digits > digit[:, None], counts, 0), 1, tl.standard._sum_combine)
+        prefix = prefix | (digit.to(tl.uint32) << (24 - 8 * level))
+    # the K-th largest is -inf (or the row holds fewer than K keys): every score above -inf is chosen
+    take_all = prefix <= 0x007FFFFF  # the key of -inf
+    threshold = tl.where(take_all, 0x007FFFFF, prefix).to(tl.uint32)
+    need = tl.where(take_all, 0, need)  # of the keys equal to the threshold, the lowest entries
     written = tl.full([BLOCK_R], 0, tl.int32)
     equal_seen = tl.full([BLOCK_R], 0, tl.int32)
     for start in range(0, N, BLOCK):
@@ -348,22 +361,37 @@ def mega_indexer(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, pages: to
     validate(q, w, pool, pages, positions, allowed, spec)
     R, device = q.shape[0], q.device
     N = pages.shape[1] * spec.per_page
-    out, scores = empty((R, spec.topk), torch.int64, device), empty((R, N), torch.float32, device)
+    scores = empty((R, N), torch.float32, device)
     if R == 0:
-        return out, scores
+        return empty((R, spec.topk), torch.int64, device), scores
     cfg = config or choose_config(spec, R, device=device)
     q, w, pool = q.contiguous(), w.contiguous(), pool.contiguous()
     pages, positions = pages if pages.stride(1) == 1 else pages.contiguous(), positions.contiguous()
     allowed = scores if allowed is None else allowed.contiguous().view(torch.int8)  # a pointer the kernel never reads
     interpret = device.type != "cuda"
-    options = dict(num_warps=cfg.num_warps, **COMPILE_OPTIONS)
-    score, select = (load(spec, cfg.block_n, interpret, name) for name in KERNEL_NAMES)
     with contextlib.nullcontext() if interpret else torch.cuda.device(device):
-        score[(R, -(-N // cfg.block_n))](q, w, pool, pages, positions, allowed, scores, N, pages.stride(0),
-                                         INTERPRETED=interpret, **options)
-        select[(-(-R // cfg.block_rows),)](scores, out, R, N, BLOCK_R=cfg.block_rows, BLOCK=cfg.block_select,
-                                           **options)
-    return out, scores
+        load(spec, cfg.block_n, interpret, KERNEL_NAME)[(R, -(-N // cfg.block_n))](
+            q, w, pool, pages, positions, allowed, scores, N, pages.stride(0), INTERPRETED=interpret,
+            num_warps=cfg.num_warps, **COMPILE_OPTIONS)
+    return select(scores, spec, cfg), scores
+
+
+def select(scores: torch.Tensor, spec: IndexerSpec, config: LaunchConfig | None = None) -> torch.Tensor:
+    """topk [R, K] int64 of scores [R, N] fp32 (-inf: never chosen): the op's second launch alone, the
+    K largest (ties to the lowest entry), ascending, -1 padded, as `model.attention.select_topk`."""
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"mega_indexer.select: scores must be float32 [R, N], got {scores.dtype} {list(scores.shape)}")
+    R, N = scores.shape
+    out = empty((R, spec.topk), torch.int64, scores.device)
+    if R == 0:
+        return out
+    cfg = config or choose_config(spec, R, device=scores.device)
+    interpret = scores.device.type != "cuda"
+    with contextlib.nullcontext() if interpret else torch.cuda.device(scores.device):
+        load(spec, cfg.block_n, interpret, SELECT_NAME)[(-(-R // cfg.block_rows),)](
+            scores.contiguous(), out, R, N, BLOCK_R=cfg.block_rows, BLOCK=cfg.block_select,
+            num_warps=cfg.num_warps, **COMPILE_OPTIONS)
+    return out
 
 
 def reference(q, w, pool, pages, positions, allowed, spec: IndexerSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,9 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-from megafuse.lowering.mega_indexer import IndexerSpec, LaunchConfig, mega_indexer, reference, unsupported_reason
+from megafuse.lowering.mega_indexer import IndexerSpec, LaunchConfig, mega_indexer, reference, select, unsupported_reason
 from megafuse.model import quant
+from megafuse.model.attention import select_topk
 
 
 def _case(q_dtype: str, fmt="index_mxfp4", *, H=4, D=32, K=6, ratio=2, per_page=8, R=5, max_pages=4, pool_pages=30, seed=0,
@@ -104,3 +107,32 @@ def test_unsupported_specs_and_bad_inputs_are_refused_with_the_reason():
         mega_indexer(q, w.double(), pool, pages, positions, None, spec)
     with pytest.raises(ValueError, match=r"pool must be uint8 \[pages, 8, 17\]"):
         mega_indexer(q, w, pool[:, :4], pages, positions, None, spec)
+
+
+# Scores whose order keys differ in one byte only (each radix pass decides among them), signed zeros
+# (they tie), -inf (never chosen), negatives and repeats (ties to the lowest entry).
+_ONE = 0x3F800000
+_SCORE_BITS = [_ONE, _ONE + 1, _ONE + 0x100, _ONE + 0x101, _ONE + 0x10000, _ONE + 0x1000000, _ONE - 1,
+               0x80000000 | _ONE, 0x80000000 | (_ONE + 1), 0x80000000 | (_ONE + 0x10000), 0x00000000, 0x80000000,
+               0xFF800000, 0xFF7FFFFF, 0x7F7FFFFF, 0x00000001]
+
+
+@st.composite
+def _score_rows(draw):
+    rows, n, k = draw(st.integers(1, 3)), draw(st.integers(1, 200)), draw(st.integers(1, 48))
+    bits = draw(st.lists(st.sampled_from(_SCORE_BITS), min_size=rows * n, max_size=rows * n))
+    scores = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32).view(rows, n)
+    return scores, k
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_score_rows(), st.sampled_from([(1, 16), (2, 64), (4, 32)]))
+@example((torch.tensor([[-0.0, 1.0, 0.0, -0.0, 0.0]]), 2), (1, 16))  # the zeros tie: the lowest -0.0 wins
+def test_the_selection_is_the_models_top_k_on_adversarial_scores(case, tiles):
+    """The selection kernel alone against `select_topk` (a stable descending sort): keys a radix pass
+    apart, ties, signed zeros, -inf, rows shorter than K; several rows a program and several sweeps."""
+    scores, k = case
+    block_rows, block_select = tiles
+    spec = IndexerSpec(heads=1, head_dim=16, topk=k, ratio=1, per_page=1, key_format="float32", q_dtype="float32")
+    got = select(scores, spec, LaunchConfig(block_n=16, block_select=block_select, block_rows=block_rows))
+    assert torch.equal(got, select_topk(scores[None], k)[0])
