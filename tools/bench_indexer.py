@@ -1,7 +1,7 @@
 """Benchmark of the Mega-Indexer chain where users get it: through `megafuse.passes.compile`.
 
     python3 -m megafuse.tools.bench_indexer [--batch 32] [--context 32768] [--config flash-lite] [--ratio R]
-                                            [--out PATH]
+                                            [--select-configs 1024x4,4096x8] [--out PATH]
     python3 -m megafuse.tools.bench_indexer --dry-run     # CPU, the Triton interpreter
 
 The chain is the indexer part of the runtime's decode step (`model.attention.Attention.step`, a full
@@ -33,8 +33,14 @@ Stages (each one saves the JSON; a failing stage is logged and the rest run):
    bandwidth (`bench_common.peak_hbm_bytes_per_s`); x_floor = fused / floor and the speed-ups against
    the targets (x_floor <= 1.5, speedup_vs_compile >= 3).
 
+`--select-configs BLOCKxWARPS,...`: after the timings, the selection launch alone
+(`mega_indexer.select`) on the row scores the op computes (the fused match's spec), at each sweep step (BLOCK scores a
+step) and warp count, checked equal to `select_topk` on the same scores (a launch that chooses
+otherwise fails the run) and timed in a CUDA graph (the data behind `choose_config`'s selection
+launch); a launch that fails to build or run is a row with its error.
+
 `--dry-run`: CPU, the Triton interpreter, toy sizes (batch 3, 64 tokens on pages of 8 entries, the
-tiny preset's 4 heads x 32 and top-6 at the config's quant and dtype), stages 1-3 only; its JSON
+tiny preset's 4 heads x 32 and top-6 at the config's quant and dtype), stages 1-3 only (and the selection configs' checks, untimed); its JSON
 goes to a temp file unless --out names one. Schema "megafuse.bench_indexer/1" (docs/tools.md).
 """
 
@@ -49,6 +55,7 @@ import torch
 from torch import nn
 
 from megafuse import passes
+from megafuse.lowering.mega_indexer import IndexerSpec, LaunchConfig, mega_indexer, select
 from megafuse.model import ConfigError, preset, resolve_config
 from megafuse.model.attention import NEG_INF, index_scores, select_topk, visible_entries
 from megafuse.model.cache import DEFAULT_PAGE_SIZE, RowCodec, row_codec
@@ -284,6 +291,47 @@ def _table(res: dict) -> list[str]:
     return lines
 
 
+SELECT_FORM = ("comma-separated BLOCKxWARPS, e.g. 1024x4,4096x8 (BLOCK, the scores a sweep step, a power of two "
+               ">= 256; WARPS a power of two <= 32)")
+
+
+def select_configs(text: str) -> tuple[tuple[int, int], ...]:
+    """An argparse type: `--select-configs`' (block, warps) pairs; another form is a usage error naming the form."""
+    pairs = []
+    for item in text.split(","):
+        try:
+            block, warps = (int(v) for v in item.strip().lower().split("x"))
+        except ValueError:
+            block = warps = 0
+        if not (block >= 256 and block & (block - 1) == 0 and 0 < warps <= 32 and warps & (warps - 1) == 0):
+            raise argparse.ArgumentTypeError(f"expected {SELECT_FORM}; got {item!r} in {text!r}")
+        pairs.append((block, warps))
+    return tuple(pairs)
+
+
+def sweep_select(state: dict, pairs: tuple[tuple[int, int], ...], timed: bool, log) -> list[dict]:
+    """The selection launch alone on the op's scores (the fused spec's) at each (block, warps): equal to
+    select_topk on them, then timed; a launch that fails is a row with its error."""
+    spec = IndexerSpec(**state["results"]["fused"]["specs"][0])
+    scores = mega_indexer(*state["inputs"], None, spec)[1]  # the masked scores the op selects from
+    want = select_topk(scores[None], spec.topk)[0]
+    rows = []
+    for block, warps in pairs:
+        config = LaunchConfig(block_n=64, block_select=block, block_rows=1, num_warps=warps)
+        row = {"block_select": block, "num_warps": warps}
+        try:
+            row["equal"] = bool(torch.equal(select(scores, spec, config), want))
+            if timed:
+                row["graph_us"] = time_graph_us(lambda: select(scores, spec, config))
+        except Exception as e:  # a launch the device cannot hold is data, not the end of the sweep
+            row["error"] = f"{type(e).__name__}: {e}"[:1000]
+        rows.append(row)
+        took = f"{row['graph_us']:.2f} us, " if "graph_us" in row else ""
+        log(f"  select {block}x{warps}: " + (row["error"] if "error" in row else
+                                              f"{took}{'equal' if row['equal'] else 'DIFFERS'}"))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m megafuse.tools.bench_indexer", description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=in_range(at_least=1), default=32,
@@ -293,6 +341,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="flash-lite", help="preset or config JSON (default flash-lite)")
     ap.add_argument("--ratio", type=in_range(at_least=1),
                     help="tokens an entry compresses (default: the config's plain full layers')")
+    ap.add_argument("--select-configs", type=select_configs, metavar="BLOCKxWARPS,...",
+                    help="also time the selection launch alone at each sweep step and warp count")
     ap.add_argument("--out", help="the results JSON (default results/mega_indexer/bench.json; --dry-run: a temp file)")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, toy sizes, no timings")
     args = ap.parse_args(argv)
@@ -346,6 +396,8 @@ def main(argv=None) -> int:
             for way in WAYS:  # a way whose build failed (or did not fuse) is not timed
                 if way == "eager" or res["stages"][way]["ok"]:
                     stages.run(f"time_{way}", lambda way=way: timing(state, way, log))
+        if args.select_configs and res["stages"]["fused"]["ok"]:
+            stages.run("select_configs", lambda: sweep_select(state, args.select_configs, not args.dry_run, log))
     res["floor"] = floor(res, None if args.dry_run else res["device"])
     if not args.dry_run:
         stages.run("summary", lambda: summary(res))
@@ -354,6 +406,8 @@ def main(argv=None) -> int:
         log(line)
     failed = [name for name, stage in res["stages"].items() if not stage["ok"]]
     wrong = [way for way, c in (res.get("correctness") or {}).items() if c is not None and not c["ties_aside"]]
+    wrong += [f"select {r['block_select']}x{r['num_warps']}" for r in res.get("select_configs") or []
+              if r.get("equal") is False]
     if failed or wrong:
         log(f"FAILED: stages {failed}; top-k sets beyond ties in {wrong} (see {out_path})")
         return 1

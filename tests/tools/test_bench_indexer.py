@@ -116,9 +116,27 @@ def test_a_swap_at_the_k_th_score_is_a_tie_and_another_is_not():
 
 
 @pytest.mark.parametrize("argv", [["--dry-run", "--ratio", "3"], ["--dry-run", "--batch", "0"],
-                                  ["--dry-run", "--config", "no-such-preset"]])
+                                  ["--dry-run", "--config", "no-such-preset"],
+                                  ["--dry-run", "--select-configs", "1000x4"], ["--dry-run", "--select-configs", "1024x3"],
+                                  ["--dry-run", "--select-configs", "1024"]])
 def test_bad_arguments_are_usage_errors(argv, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(argv + ["--out", str(tmp_path / "r.json")])
     assert e.value.code == 2
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_the_selection_sweep_checks_each_launch_against_select_topk(tmp_path, monkeypatch):
+    out = tmp_path / "bench.json"
+    assert main(["--dry-run", "--select-configs", "256x4,1024x8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["select_configs"]
+    assert [(r["block_select"], r["num_warps"], r["equal"]) for r in rows] == [(256, 4, True), (1024, 8, True)]
+    assert not any("graph_us" in r for r in rows)  # untimed on the CPU
+    # a selection that chooses otherwise is recorded as differing and fails the run; one that cannot
+    # launch is its error
+    wrong = iter([lambda scores, spec, config: torch.zeros(scores.shape[0], spec.topk, dtype=torch.int64),
+                  lambda scores, spec, config: (_ for _ in ()).throw(RuntimeError("out of shared memory"))])
+    monkeypatch.setattr(bench_indexer, "select", lambda *a: next(wrong)(*a))
+    assert main(["--dry-run", "--select-configs", "256x4,512x4", "--out", str(out)]) == 1  # a wrong top-k fails
+    rows = json.loads(out.read_text())["select_configs"]
+    assert rows[0]["equal"] is False and "out of shared memory" in rows[1]["error"]
