@@ -136,3 +136,23 @@ def test_the_selection_is_the_models_top_k_on_adversarial_scores(case, tiles):
     spec = IndexerSpec(heads=1, head_dim=16, topk=k, ratio=1, per_page=1, key_format="float32", q_dtype="float32")
     got = select(scores, spec, LaunchConfig(block_n=16, block_select=block_select, block_rows=block_rows))
     assert torch.equal(got, select_topk(scores[None], k)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("q_dtype, fmt", [("bfloat16", "index_mxfp4"), ("float32", "index_mxfp4"),
+                                          ("bfloat16", "bfloat16")])
+def test_the_cuda_build_chooses_what_the_model_chooses_at_flash_lite_widths(q_dtype, fmt):
+    """The GPU's own build (its tiles, vector loads of 68-byte MXFP4 rows, the histogram selection)
+    at flash-lite's indexer widths: 32 heads x 128, top-512, 4096 entries a row over shuffled pages."""
+    spec, args = _case(q_dtype, fmt, H=32, D=128, K=512, per_page=32, R=8, max_pages=128, pool_pages=1100, seed=2,
+                       positions=(8191, 8190, 4000, 1023, 1, 0, 6000, 8191))
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    got, scores = mega_indexer(*args, spec)
+    ref, ref_scores = reference(*args, spec)
+    assert torch.equal(torch.isinf(scores), torch.isinf(ref_scores))
+    finite = torch.isfinite(ref_scores)
+    assert float((scores[finite] - ref_scores[finite]).abs().max()) <= 1e-5 * float(ref_scores[finite].abs().max())
+    exact, gaps = fp64_topk(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args), spec)
+    assert not any(0 < gap < 1e-6 for gap in gaps)  # no near tie: the sets are the fp64 ones
+    assert torch.equal(got.cpu(), exact)
