@@ -53,7 +53,7 @@ from megafuse import passes
 from megafuse.lowering import mega_attention as ma
 from megafuse.tools.bench_common import BF16_FLOPS, Stages, command_line, default_out, hbm_rate_or_reason, open_log, \
     require_cuda, time_graph_us
-from megafuse.tools.common import positive_ints
+from megafuse.tools.common import launch_shapes, positive_ints, power_of_two
 
 V4 = ma.AttentionSpec(heads=64, head_dim=512, rope_dim=64, scale=512 ** -0.5, key_dtype="bfloat16",
                       out_dtype="bfloat16", mxfp8=False, q_rope=True)
@@ -291,21 +291,10 @@ CONFIGS_FORM = ("comma-separated BLOCK_HxBLOCK_JxNUM_WARPSxNUM_STAGES, e.g. 16x3
 
 def launch_tiles(text: str) -> tuple[Tiles, ...]:
     """An argparse type: `--configs`' tiles; a string of another form is a usage error naming the form."""
-    def power_of_two(n: int) -> bool:
-        return n > 0 and n & (n - 1) == 0
-
-    tiles = []
-    for item in text.split(","):
-        try:
-            tile = Tiles(*(int(v) for v in item.strip().lower().split("x")))
-        except (TypeError, ValueError):
-            tile = None
-        if tile is None or not (power_of_two(tile.block_h) and tile.block_h >= 16 and power_of_two(tile.block_j)
-                                and tile.block_j >= 16 and power_of_two(tile.num_warps) and tile.num_warps <= 32
-                                and tile.num_stages >= 1):
-            raise argparse.ArgumentTypeError(f"expected {CONFIGS_FORM}; got {item!r} in {text!r}")
-        tiles.append(tile)
-    return tuple(tiles)
+    def valid(block_h, block_j, num_warps, num_stages):
+        return (power_of_two(block_h) and block_h >= 16 and power_of_two(block_j) and block_j >= 16
+                and power_of_two(num_warps) and num_warps <= 32 and num_stages >= 1)
+    return tuple(Tiles(*values) for values in launch_shapes(text, 4, valid, CONFIGS_FORM))
 
 
 def sweep_configs(spec: ma.AttentionSpec, n_keys: int, T: int, tiles: tuple[Tiles, ...], device, log,

@@ -62,7 +62,7 @@ from megafuse.model.cache import DEFAULT_PAGE_SIZE, RowCodec, row_codec
 from megafuse.model.quant import fake_quant_index_mxfp4
 from megafuse.tools.bench_common import Stages, command_line, default_out, open_log, hbm_rate_or_reason, require_cuda, \
     time_eager_us, time_graph_us
-from megafuse.tools.common import in_range
+from megafuse.tools.common import in_range, launch_shapes, power_of_two
 
 SCHEMA = "megafuse.bench_indexer/1"
 PASS = "mega_indexer"
@@ -297,16 +297,8 @@ SELECT_FORM = ("comma-separated BLOCKxWARPS, e.g. 1024x4,4096x8 (BLOCK, the scor
 
 def select_configs(text: str) -> tuple[tuple[int, int], ...]:
     """An argparse type: `--select-configs`' (block, warps) pairs; another form is a usage error naming the form."""
-    pairs = []
-    for item in text.split(","):
-        try:
-            block, warps = (int(v) for v in item.strip().lower().split("x"))
-        except ValueError:
-            block = warps = 0
-        if not (block >= 256 and block & (block - 1) == 0 and 0 < warps <= 32 and warps & (warps - 1) == 0):
-            raise argparse.ArgumentTypeError(f"expected {SELECT_FORM}; got {item!r} in {text!r}")
-        pairs.append((block, warps))
-    return tuple(pairs)
+    return launch_shapes(text, 2, lambda block, warps: block >= 256 and power_of_two(block) and power_of_two(warps)
+                         and warps <= 32, SELECT_FORM)
 
 
 def sweep_select(state: dict, pairs: tuple[tuple[int, int], ...], timed: bool, log) -> list[dict]:

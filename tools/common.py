@@ -143,6 +143,26 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def launch_shapes(text: str, fields: int, valid, form: str) -> tuple[tuple[int, ...], ...]:
+    """The core of an argparse type for launch sweeps: comma-separated items of `fields` integers
+    joined by x ("16x32x4x2"), each accepted by `valid(*values)`; anything else is a usage error
+    that names `form`."""
+    items = []
+    for item in text.split(","):
+        try:
+            values = tuple(int(v) for v in item.strip().lower().split("x"))
+        except ValueError:
+            values = ()
+        if len(values) != fields or not valid(*values):
+            raise argparse.ArgumentTypeError(f"expected {form}; got {item!r} in {text!r}")
+        items.append(values)
+    return tuple(items)
+
+
 def selected_passes(args: argparse.Namespace) -> list[str]:
     """`--passes` minus every `--no-<pass>`, in registry order."""
     chosen = args.passes if isinstance(args.passes, list) else passes.registry.resolve(args.passes)
