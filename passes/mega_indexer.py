@@ -46,8 +46,8 @@ import torch.fx as fx
 
 from . import ops
 from .base import Candidate, FusionPass, NoMatch
-from .graph import aten, call, dims, dtype, is_convert, is_op, known_less, prims, scalar, size_of, source_dims, strip, \
-    under_slices, unpadded, val, walk
+from .graph import aten, call, dims, dtype, is_convert, is_op, known_less, moves, prims, scalar, size_of, source_dims, \
+    strip, under_slices, unpadded, val, walk
 from .registry import register
 
 NEG_INF = float("-inf")
@@ -162,10 +162,8 @@ def _relu_scores(scores: fx.Node, depth: int = 6) -> bool:
     for _ in range(depth):
         if any(is_op(n, aten.relu) for n in frontier):
             return True
-        frontier = [a for n in frontier for a in n.all_input_nodes if is_op(a, aten.relu, aten.mul, aten.sum, aten.bmm,
-                                                                             aten.mm, aten.view, aten.expand, aten.permute,
-                                                                             aten.unsqueeze, aten.clone)
-                    or is_convert(a)]
+        frontier = [a for n in frontier for a in n.all_input_nodes
+                    if moves(a) or is_convert(a) or is_op(a, aten.relu, aten.mul, aten.sum, aten.bmm, aten.mm, aten.expand)]
     return False
 
 
