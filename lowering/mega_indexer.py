@@ -30,7 +30,8 @@ Kernels (one generated module, two launches in stream order)
 
 Numerics: bf16 queries against keys of bf16 values (MXFP4, or raw bf16) dot exactly in bf16 with
 fp32 accumulation; otherwise the dot runs in tf32x3 (each operand split in two tf32 parts: exact
-where one side holds few bits, as MXFP4 keys and the model's MXFP4-rounded queries do). The sums run in another order than torch's einsum, so a score can differ in its last fp32 bit and an entry within
+where one side holds few bits, as MXFP4 keys and the model's MXFP4-rounded queries do). The sums run
+in another order than torch's einsum, so a score can differ in its last fp32 bit and an entry within
 that of the K-th score can be chosen instead of its neighbour: the same top-k sets, ties aside.
 """
 
@@ -286,9 +287,9 @@ def generate_source(spec: IndexerSpec, block_n: int = 64) -> str:
                "                        input_precision=\"tf32x3\")")
     spec_line = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(spec).items())
     return _TEMPLATE.substitute(
-        KEY=spec.key(), SPEC_LINE=spec_line, H=spec.heads, H_PAD=max(16, _next_pow2(spec.heads)), D=spec.head_dim, K=spec.topk, RATIO=spec.ratio,
-        PER_PAGE=spec.per_page, ROW_BYTES=spec.row_bytes, BLOCK_N=block_n, ALLOWED=spec.allowed,
-        WIDTH=width, DECODE=decode, DOT_LINES=dot)
+        KEY=spec.key(), SPEC_LINE=spec_line, H=spec.heads, H_PAD=max(16, _next_pow2(spec.heads)), D=spec.head_dim,
+        K=spec.topk, RATIO=spec.ratio, PER_PAGE=spec.per_page, ROW_BYTES=spec.row_bytes, BLOCK_N=block_n,
+        ALLOWED=spec.allowed, WIDTH=width, DECODE=decode, DOT_LINES=dot)
 
 
 def kernel_name(spec: IndexerSpec, block_n: int) -> str:

@@ -163,7 +163,8 @@ def _relu_scores(scores: fx.Node, depth: int = 6) -> bool:
         if any(is_op(n, aten.relu) for n in frontier):
             return True
         frontier = [a for n in frontier for a in n.all_input_nodes
-                    if moves(a) or is_convert(a) or is_op(a, aten.relu, aten.mul, aten.sum, aten.bmm, aten.mm, aten.expand)]
+                    if moves(a) or is_convert(a)
+                    or is_op(a, aten.relu, aten.mul, aten.sum, aten.bmm, aten.mm, aten.expand)]
     return False
 
 
@@ -376,8 +377,9 @@ class MegaIndexerPass(FusionPass):
     run_order = 50
 
     def anchors(self, graph: fx.Graph):
-        return [n for n in graph.nodes if is_op(n, aten.topk) or is_op(n, aten.sort) and _kw(n, 2, "descending", False)
-                and n.kwargs.get("stable", n.args[1] if len(n.args) > 1 and isinstance(n.args[1], bool) else False)]
+        return [n for n in graph.nodes if is_op(n, aten.topk) or (
+            is_op(n, aten.sort) and _kw(n, 2, "descending", False)
+            and n.kwargs.get("stable", n.args[1] if len(n.args) > 1 and isinstance(n.args[1], bool) else False))]
 
     def match(self, sort: fx.Node) -> Candidate:
         if is_op(sort, aten.topk):  # an indexer's top-k spelled as torch.topk (HF's) is named, a gate's is not

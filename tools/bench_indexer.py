@@ -34,14 +34,15 @@ Stages (each one saves the JSON; a failing stage is logged and the rest run):
    the targets (x_floor <= 1.5, speedup_vs_compile >= 3).
 
 `--select-configs BLOCKxWARPS,...`: after the timings, the selection launch alone
-(`mega_indexer.select`) on the row scores the op computes (the fused match's spec), at each sweep step (BLOCK scores a
-step) and warp count, checked equal to `select_topk` on the same scores (a launch that chooses
-otherwise fails the run) and timed in a CUDA graph (the data behind `choose_config`'s selection
-launch); a launch that fails to build or run is a row with its error.
+(`mega_indexer.select`) on the row scores the op computes (the fused match's spec), at each sweep
+step (BLOCK scores a step) and warp count, checked equal to `select_topk` on the same scores (a
+launch that chooses otherwise fails the run) and timed in a CUDA graph (the data behind
+`choose_config`'s selection launch); a launch that fails to build or run is a row with its error.
 
 `--dry-run`: CPU, the Triton interpreter, toy sizes (batch 3, 64 tokens on pages of 8 entries, the
-tiny preset's 4 heads x 32 and top-6 at the config's quant and dtype), stages 1-3 only (and the selection configs' checks, untimed); its JSON
-goes to a temp file unless --out names one. Schema "megafuse.bench_indexer/1" (docs/tools.md).
+tiny preset's 4 heads x 32 and top-6 at the config's quant and dtype), stages 1-3 only (and the
+selection configs' checks, untimed); its JSON goes to a temp file unless --out names one. Schema
+"megafuse.bench_indexer/1" (docs/tools.md).
 """
 
 from __future__ import annotations

@@ -50,9 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The pages whose numbers are claims. The rest of docs/ and README.md join as they are converted.
 CHECKED = ("README.md", "docs/mega_gate.md", "docs/mega_mhc.md", "docs/mega_attention.md", "docs/mega_indexer.md",
-           "docs/measuring.md",
-           "docs/compiling.md", "docs/model.md", "docs/glossary.md", "docs/spellings.md", "docs/serving.md",
-           "docs/tools.md")
+           "docs/measuring.md", "docs/compiling.md", "docs/model.md", "docs/glossary.md", "docs/spellings.md",
+           "docs/serving.md", "docs/tools.md")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -422,6 +421,8 @@ def attention_sweep_rows(d: dict) -> list[list[str]]:
             tile = f"{r['block_h']} x {r['block_j']}, {r['num_warps']} warps, {r['num_stages']} stages"
             rows.setdefault(tile, []).append(us(r["graph_us"]) if r.get("graph_us") else "failed")
     return [[tile, *cells] for tile, cells in rows.items()]
+
+
 TARGET = "the benchmark's target, recorded in its JSON: a setting, not a measurement"
 
 TABLES = {t.name: t for t in (
